@@ -1,0 +1,145 @@
+// Elementwise arithmetic: out = OP(a, b[, c]) for add, sub, mul, div and the fused (a + b) * c.
+//
+// One template per access pattern, instantiated per (dtype, op) through NVRTC name expressions
+// (cupylab/ops/elementwise.py builds the names):
+//   ew_contig<T, OP, V>    all operands contiguous 1-D. V elements per access: V * sizeof(T) == 16
+//                          for the vectorised path (head and tail peeled so the body is aligned),
+//                          V == 1 when the operands' alignments differ.
+//   ew_strided<T, OP, I>   any strides (negative, zero = broadcast), up to MAXD dims after the
+//                          host has merged what it can; I = int or long long index arithmetic.
+// An input pointer of nullptr means "this operand is the scalar sX" (a Python number).
+#include "cupylab_common.cuh"
+
+namespace cl {
+
+enum Op { OP_ADD = 0, OP_SUB = 1, OP_MUL = 2, OP_DIV = 3, OP_ADD_MUL = 4 };
+
+// Loads in flight per thread on the vectorised path. 4 x 16 B per operand keeps enough bytes
+// outstanding per SM to cover HBM latency at 256 threads/block (see docs/perf.md).
+#define CL_UNROLL 4
+#define CL_MAXD 8
+
+template <typename T, int OP, bool INT = IsInt<T>::value>
+struct Apply;
+
+// Floating point (float, double, and 16-bit types through float).
+template <typename T, int OP>
+struct Apply<T, OP, false> {
+    typedef typename Acc<T>::type A;
+    static __device__ __forceinline__ A run(A a, A b, A c) {
+        if (OP == OP_ADD) return a + b;
+        if (OP == OP_SUB) return a - b;
+        if (OP == OP_MUL) return a * b;
+        if (OP == OP_DIV) return a / b;
+        return (a + b) * c;
+    }
+};
+
+// Integers: wrap-around add/sub/mul; div is floor division (Python //, numpy.floor_divide)
+// with x // 0 == 0 (NumPy's result) and MIN // -1 == MIN (wraps, as in NumPy).
+template <typename T, int OP>
+struct Apply<T, OP, true> {
+    typedef typename Unsigned<T>::type U;
+    static __device__ __forceinline__ T run(T a, T b, T c) {
+        if (OP == OP_ADD) return (T)((U)a + (U)b);
+        if (OP == OP_SUB) return (T)((U)a - (U)b);
+        if (OP == OP_MUL) return (T)((U)a * (U)b);
+        if (OP == OP_DIV) {
+            if (b == 0) return (T)0;
+            if (b == (T)-1) return (T)((U)0 - (U)a);
+            T q = a / b;
+            if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1;
+            return q;
+        }
+        return (T)(((U)a + (U)b) * (U)c);
+    }
+};
+
+template <typename T, int OP>
+__device__ __forceinline__ T apply(T a, T b, T c) {
+    typedef typename Acc<T>::type A;
+    return from_acc<T>(Apply<T, OP>::run(to_acc<T>(a), to_acc<T>(b), to_acc<T>(c)));
+}
+
+template <typename T>
+__device__ __forceinline__ T operand(const T* p, long long i, T s) {
+    return p ? p[i] : s;
+}
+
+template <typename T, int OP, int V>
+__global__ void __launch_bounds__(256)
+ew_contig(T* out, const T* a, const T* b, const T* c, T sa, T sb, T sc, long long n, long long head) {
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    // Head: the first `head` elements, before the first 16-byte boundary of every operand.
+    if (tid < head) {
+        out[tid] = apply<T, OP>(operand(a, tid, sa), operand(b, tid, sb), operand(c, tid, sc));
+    }
+    const long long nvec = (n - head) / V;
+    const long long tail = head + nvec * V;
+    // Tail: what is left after the last whole vector (fewer than V elements).
+    if (tid < n - tail) {
+        const long long i = tail + tid;
+        out[i] = apply<T, OP>(operand(a, i, sa), operand(b, i, sb), operand(c, i, sc));
+    }
+    typedef Vec<T, V> VT;
+    const VT* va = reinterpret_cast<const VT*>(a + head);
+    const VT* vb = reinterpret_cast<const VT*>(b + head);
+    const VT* vc = reinterpret_cast<const VT*>(c + head);
+    VT* vo = reinterpret_cast<VT*>(out + head);
+    const long long step = (long long)gridDim.x * blockDim.x * CL_UNROLL;
+    for (long long base = (long long)blockIdx.x * blockDim.x * CL_UNROLL + threadIdx.x; base < nvec;
+         base += step) {
+        VT ra[CL_UNROLL], rb[CL_UNROLL], rc[CL_UNROLL];
+        // All loads first, so CL_UNROLL * (inputs) 16-byte requests are in flight at once.
+#pragma unroll
+        for (int u = 0; u < CL_UNROLL; ++u) {
+            const long long j = base + (long long)u * blockDim.x;
+            if (j < nvec) {
+                if (a) ra[u] = va[j]; else { for (int k = 0; k < V; ++k) ra[u].v[k] = sa; }
+                if (b) rb[u] = vb[j]; else { for (int k = 0; k < V; ++k) rb[u].v[k] = sb; }
+                if (OP == OP_ADD_MUL) {
+                    if (c) rc[u] = vc[j]; else { for (int k = 0; k < V; ++k) rc[u].v[k] = sc; }
+                } else {
+                    rc[u] = ra[u];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < CL_UNROLL; ++u) {
+            const long long j = base + (long long)u * blockDim.x;
+            if (j < nvec) {
+                VT r;
+#pragma unroll
+                for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra[u].v[k], rb[u].v[k], rc[u].v[k]);
+                vo[j] = r;
+            }
+        }
+    }
+}
+
+template <typename I>
+struct Dims { I v[CL_MAXD]; };
+
+template <typename T, int OP, typename I>
+__global__ void __launch_bounds__(256)
+ew_strided(T* out, const T* a, const T* b, const T* c, T sa, T sb, T sc, I n, int ndim,
+           Dims<I> shape, Dims<I> so, Dims<I> s_a, Dims<I> s_b, Dims<I> s_c) {
+    const I step = (I)gridDim.x * (I)blockDim.x;
+    for (I i = (I)blockIdx.x * (I)blockDim.x + (I)threadIdx.x; i < n; i += step) {
+        I rem = i, oo = 0, oa = 0, ob = 0, oc = 0;
+#pragma unroll
+        for (int d = CL_MAXD - 1; d >= 0; --d) {
+            if (d < ndim) {
+                const I coord = rem % shape.v[d];
+                rem /= shape.v[d];
+                oo += coord * so.v[d];
+                oa += coord * s_a.v[d];
+                ob += coord * s_b.v[d];
+                oc += coord * s_c.v[d];
+            }
+        }
+        out[oo] = apply<T, OP>(a ? a[oa] : sa, b ? b[ob] : sb, c ? c[oc] : sc);
+    }
+}
+
+}  // namespace cl

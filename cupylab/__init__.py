@@ -1,0 +1,21 @@
+"""cupylab: hand-written CUDA kernels for arrays from any framework.
+
+Kernels live in ``cuda_src/*.cu``, are compiled at run time with NVRTC (through CuPy), cached on
+disk, and wrapped as NumPy-style functions that take CuPy, torch, JAX, Numba, CAI or DLPack
+arrays zero-copy, launch on the caller's current stream and return the caller's array type.
+
+``import cupylab`` imports neither CuPy, torch nor JAX; CuPy is loaded on the first launch.
+"""
+from ._errors import CompileError, CupylabError, NoGPUError
+from ._dtypes import ARITHMETIC as _ARITH
+from .ops.elementwise import add, div, fused_add_mul, mul, sub, vector_add
+
+__version__ = "0.1.0"
+
+#: Names of the dtypes the arithmetic operators accept.
+dtypes = tuple(d.name for d in _ARITH)
+
+__all__ = [
+    "add", "sub", "mul", "div", "vector_add", "fused_add_mul",
+    "CupylabError", "NoGPUError", "CompileError", "dtypes", "__version__",
+]

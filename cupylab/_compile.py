@@ -1,0 +1,349 @@
+"""NVRTC compilation, the persistent binary cache, and per-device modules.
+
+Pipeline for one *program* (a source text, its name expressions and options):
+
+1. ``key`` = SHA-256 over the source text, the text of every header it includes (recursively,
+   from its own directory and the include directories), the options, the target arch, the
+   name expressions and the NVRTC version.
+2. In-process: one loaded module per (key, device), built under a per-key lock, so two threads
+   making the first call at once compile once and nobody sees a half-built module.
+3. On disk (``$CUPYLAB_CACHE_DIR``, default ``~/.cache/cupylab``): ``<key>.clbin`` holds a
+   header, the lowered names, the cubin (or PTX) and a SHA-256 of all of it. A truncated or
+   corrupt file fails the check and is rebuilt, never loaded. Writers write a temporary file
+   in the same directory and ``os.replace`` it into place, so readers never see a partial file.
+4. Miss: NVRTC (through CuPy's ``cupy_backends`` binding) compiles the name expressions to a
+   cubin for the device's arch, records each lowered name, stores the entry, and the module is
+   loaded from memory (``cuModuleLoadData``) with CuPy's ``Module``.
+
+CuPy's own ``RawModule`` disk cache is not used because it is skipped for modules built with
+name expressions (cupy/cupy#9667).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import tempfile
+import threading
+from pathlib import Path
+
+from ._errors import CompileError
+
+__all__ = ["Program", "cuda_src_dir", "cache_dir", "compile_program", "nvrtc_version"]
+
+_FORMAT = 1  # bump when the entry layout changes
+_MAGIC = b"CLBIN\x00"
+_HEADER = struct.Struct("<6sHI")  # magic, format, metadata length
+_DEFAULT_OPTIONS = ("--std=c++17",)
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
+
+
+def cuda_src_dir() -> Path:
+    """Directory holding cupylab's ``.cu`` sources: inside the installed package
+    (``cupylab/cuda_src``, as the wheel ships it) or, in a source checkout, ``<repo>/cuda_src``."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "cuda_src", here.parent / "cuda_src"):
+        if (cand / "cupylab_common.cuh").is_file():
+            return cand
+    raise FileNotFoundError(
+        f"cupylab's CUDA sources were not found next to {here} (looked in cupylab/cuda_src and "
+        "../cuda_src); the installation is incomplete")
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$CUPYLAB_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/cupylab``, else ``~/.cache/cupylab``."""
+    d = os.environ.get("CUPYLAB_CACHE_DIR")
+    if d:
+        return Path(d).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cupylab"
+
+
+def _cache_enabled() -> bool:
+    return os.environ.get("CUPYLAB_CACHE_DISABLE", "") not in ("1", "true", "yes")
+
+
+def _nvrtc():
+    from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415 - lazy, heavy
+
+    return nvrtc
+
+
+def nvrtc_version() -> tuple:
+    return tuple(_nvrtc().getVersion())
+
+
+def supported_archs() -> tuple:
+    return tuple(_nvrtc().getSupportedArchs())
+
+
+def target_for(cc: int) -> tuple:
+    """``(option, kind)`` for a device of compute capability ``cc`` (e.g. 90): a cubin for the
+    exact arch when this NVRTC knows it, else PTX for the newest arch it knows (the driver
+    compiles PTX for newer GPUs)."""
+    archs = supported_archs()
+    if cc in archs:
+        return f"-arch=sm_{cc}", "cubin"
+    older = [a for a in archs if a <= cc]
+    best = max(older) if older else min(archs)
+    return f"-arch=compute_{best}", "ptx"
+
+
+class Program:
+    """A compilable unit: source text + name expressions + options + include directories.
+
+    Parameters
+    ----------
+    source : str
+        CUDA C++ source.
+    filename : str
+        Name used in NVRTC messages (``elementwise.cu``).
+    name_expressions : sequence of str
+        Kernels to instantiate (``"cl::ew_contig<float, 0, 4>"``) or ``extern "C"`` names.
+    options : sequence of str
+        Extra NVRTC options (``--std=c++17`` is always added first).
+    include_dirs : sequence of path
+        Directories searched for ``#include``; the source's own directory comes first.
+    """
+
+    def __init__(self, source, filename, name_expressions, options=(), include_dirs=()):
+        self.source = source
+        self.filename = filename
+        self.name_expressions = tuple(name_expressions)
+        self.options = _DEFAULT_OPTIONS + tuple(o for o in options if o not in _DEFAULT_OPTIONS)
+        self.include_dirs = tuple(str(Path(d)) for d in include_dirs)
+        self._headers_digest = None
+
+    @classmethod
+    def from_file(cls, path, name_expressions, options=(), include_dirs=()):
+        path = Path(path)
+        return cls(path.read_text(), path.name, name_expressions, options,
+                   (str(path.parent),) + tuple(include_dirs))
+
+    def _include_options(self):
+        return tuple(f"-I{d}" for d in self.include_dirs)
+
+    def headers_digest(self) -> str:
+        """SHA-256 over every header reachable through ``#include`` from the source, found in
+        the include directories (headers NVRTC supplies itself, e.g. ``<cuda_fp16.h>`` from
+        the toolkit, are keyed through the NVRTC version instead)."""
+        if self._headers_digest is not None:
+            return self._headers_digest
+        h = hashlib.sha256()
+        seen = set()
+
+        def walk(text, here):
+            for _, inc in _INCLUDE_RE.findall(text):
+                for d in ((here,) if here else ()) + self.include_dirs:
+                    p = Path(d) / inc
+                    if p.is_file():
+                        rp = str(p.resolve())
+                        if rp not in seen:
+                            seen.add(rp)
+                            body = p.read_text(errors="replace")
+                            h.update(inc.encode() + b"\0" + body.encode() + b"\0")
+                            walk(body, str(p.parent))
+                        break
+
+        walk(self.source, None)
+        self._headers_digest = h.hexdigest()
+        return self._headers_digest
+
+    def key(self, arch_option: str, nvrtc_ver: tuple) -> str:
+        h = hashlib.sha256()
+        for part in (str(_FORMAT), self.source, self.headers_digest(), "\0".join(self.options),
+                     arch_option, "\0".join(self.name_expressions), repr(nvrtc_ver)):
+            h.update(part.encode())
+            h.update(b"\x1f")
+        return h.hexdigest()
+
+    def compile(self, arch_option: str, kind: str):
+        """Run NVRTC. Returns ``(binary bytes, {name expression: lowered name})``.
+
+        Raises
+        ------
+        CompileError
+            With the NVRTC log, which names the file and line of each error.
+        """
+        nvrtc = _nvrtc()
+        prog = nvrtc.createProgram(self.source, self.filename, (), ())
+        try:
+            for n in self.name_expressions:
+                nvrtc.addNameExpression(prog, n)
+            opts = list(self.options) + list(self._include_options()) + [arch_option]
+            try:
+                nvrtc.compileProgram(prog, opts)
+            except nvrtc.NVRTCError as e:
+                log = nvrtc.getProgramLog(prog)
+                raise CompileError(
+                    f"NVRTC failed to compile {self.filename} ({e}):\n{log.strip()}",
+                    log=log, filename=self.filename) from None
+            mapping = {n: nvrtc.getLoweredName(prog, n) for n in self.name_expressions}
+            binary = nvrtc.getCUBIN(prog) if kind == "cubin" else nvrtc.getPTX(prog)
+            if isinstance(binary, str):
+                binary = binary.encode()
+            return bytes(binary), mapping
+        finally:
+            nvrtc.destroyProgram(prog)
+
+
+# -- the disk cache ---------------------------------------------------------------------------
+def _entry_path(key: str) -> Path:
+    return cache_dir() / f"{key}.clbin"
+
+
+def _pack_entry(binary: bytes, mapping: dict, kind: str) -> bytes:
+    meta = json.dumps({"kind": kind, "mapping": mapping}, sort_keys=True).encode()
+    body = _HEADER.pack(_MAGIC, _FORMAT, len(meta)) + meta + binary
+    return body + hashlib.sha256(body).digest()
+
+
+def _unpack_entry(blob: bytes):
+    """Return ``(binary, mapping, kind)`` or ``None`` for anything malformed or corrupt."""
+    if len(blob) < _HEADER.size + 32:
+        return None
+    body, digest = blob[:-32], blob[-32:]
+    if hashlib.sha256(body).digest() != digest:
+        return None
+    magic, fmt, mlen = _HEADER.unpack_from(body)
+    if magic != _MAGIC or fmt != _FORMAT or _HEADER.size + mlen > len(body):
+        return None
+    try:
+        meta = json.loads(body[_HEADER.size:_HEADER.size + mlen])
+        return body[_HEADER.size + mlen:], dict(meta["mapping"]), meta["kind"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def load_entry(key: str):
+    """Read a cache entry; ``None`` when absent, truncated or corrupt."""
+    try:
+        blob = _entry_path(key).read_bytes()
+    except OSError:
+        return None
+    return _unpack_entry(blob)
+
+
+def store_entry(key: str, binary: bytes, mapping: dict, kind: str) -> None:
+    """Write an entry atomically (temporary file in the same directory, then rename).
+    Failure to write (read-only home, full disk) only costs a recompile next time."""
+    d = cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=d)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_pack_entry(binary, mapping, kind))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, _entry_path(key))
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    except OSError:
+        pass
+
+
+#: Counters for tests and the bench CLI: how programs were obtained in this process.
+stats = {"compiled": 0, "disk_hits": 0, "memory_hits": 0}
+
+
+def compile_program(program: Program, cc: int):
+    """Compile (or fetch from the disk cache) ``program`` for compute capability ``cc``.
+
+    Returns ``(binary, mapping, kind, key)``. Needs no GPU: CI uses it to compile every
+    kernel instance for sm_80 and sm_90.
+    """
+    arch_option, kind = target_for(cc)
+    key = program.key(arch_option, nvrtc_version())
+    if _cache_enabled():
+        hit = load_entry(key)
+        if hit is not None and set(hit[1]) == set(program.name_expressions):
+            stats["disk_hits"] += 1
+            return hit[0], hit[1], hit[2], key
+    binary, mapping = program.compile(arch_option, kind)
+    stats["compiled"] += 1
+    if _cache_enabled():
+        store_entry(key, binary, mapping, kind)
+    return binary, mapping, kind, key
+
+
+# -- loaded modules, per device ---------------------------------------------------------------
+class LoadedModule:
+    """A module loaded on one device: ``function(name_expression)`` gives the CUfunction
+    handle (an int) and the CuPy ``Function`` object that owns it."""
+
+    __slots__ = ("module", "mapping", "device", "_functions")
+
+    def __init__(self, module, mapping, device):
+        self.module = module
+        self.mapping = mapping
+        self.device = device
+        self._functions = {}
+
+    def function(self, name_expression):
+        f = self._functions.get(name_expression)
+        if f is None:
+            try:
+                lowered = self.mapping[name_expression]
+            except KeyError:
+                raise KeyError(
+                    f"kernel {name_expression!r} is not in this module; it has: "
+                    f"{', '.join(sorted(self.mapping))}") from None
+            f = self._functions.setdefault(name_expression, self.module.get_function(lowered))
+        return f
+
+
+_modules: dict = {}
+_key_locks: dict = {}
+_locks_guard = threading.Lock()
+
+
+def _lock_for(k):
+    with _locks_guard:
+        lk = _key_locks.get(k)
+        if lk is None:
+            lk = _key_locks[k] = threading.Lock()
+        return lk
+
+
+def get_module(program: Program, device: int) -> LoadedModule:
+    """The program's module on ``device``, compiled/loaded at most once per process.
+
+    Thread-safe: concurrent first calls wait on one lock per (program, device) and the
+    module is published only once it is fully loaded.
+    """
+    mkey = (id(program), device)
+    m = _modules.get(mkey)
+    if m is not None:
+        stats["memory_hits"] += 1
+        return m
+    with _lock_for(mkey):
+        m = _modules.get(mkey)
+        if m is not None:
+            return m
+        from . import _runtime  # noqa: PLC0415
+
+        cp = _runtime.cupy()
+        info = _runtime.device_info(device)
+        binary, mapping, kind, _ = compile_program(program, info.cc)
+        if kind == "ptx" and not binary.endswith(b"\0"):
+            binary += b"\0"  # cuModuleLoadData reads PTX as a C string
+        with cp.cuda.Device(device):
+            mod = cp.cuda.function.Module()
+            mod.load(binary)
+        m = LoadedModule(mod, mapping, device)
+        # Programs are module-level singletons; keep them alive so id() stays unique.
+        _keepalive.append(program)
+        _modules[mkey] = m
+        return m
+
+
+_keepalive: list = []

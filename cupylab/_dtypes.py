@@ -1,0 +1,196 @@
+"""The one place that knows every dtype cupylab handles.
+
+Each :class:`DType` carries every spelling the code needs: the canonical name, the item size,
+the C type used in kernel name expressions, the NumPy type string (CUDA Array Interface), the
+DLPack ``(code, bits)`` pair, the ``struct`` format used to pack a scalar kernel argument, and
+the names torch and NumPy/ml_dtypes give it. Nothing here imports CuPy, NumPy or torch.
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+__all__ = ["DType", "DTYPES", "from_name", "from_typestr", "from_dlpack", "resolve"]
+
+
+class DType:
+    """A dtype cupylab can move through kernels.
+
+    Attributes
+    ----------
+    name : str
+        Canonical name (``"float32"``, ``"bfloat16"`` ...).
+    itemsize : int
+        Bytes per element.
+    ctype : str
+        C++ spelling used in kernel template name expressions.
+    kind : str
+        ``"f"`` floating point, ``"i"`` signed integer, ``"b"`` boolean, ``"c"`` complex.
+    typestr : str or None
+        NumPy/CAI type string, ``None`` where none exists (bfloat16).
+    dlpack : tuple
+        ``(type code, bits)`` in DLPack.
+    fmt : str
+        ``struct`` format of one element (bit pattern for the 16-bit floats).
+    arithmetic : bool
+        Whether cupylab's arithmetic kernels accept it.
+    """
+
+    __slots__ = ("name", "itemsize", "ctype", "kind", "typestr", "dlpack", "fmt", "arithmetic",
+                 "_struct")
+
+    def __init__(self, name, itemsize, ctype, kind, typestr, dlpack, fmt, arithmetic):
+        self.name = name
+        self.itemsize = itemsize
+        self.ctype = ctype
+        self.kind = kind
+        self.typestr = typestr
+        self.dlpack = dlpack
+        self.fmt = fmt
+        self.arithmetic = arithmetic
+        self._struct = struct.Struct("<" + fmt) if fmt else None
+
+    def __repr__(self):
+        return f"cupylab.dtype({self.name!r})"
+
+    def __reduce__(self):
+        return (from_name, (self.name,))
+
+    # -- scalars ---------------------------------------------------------------------------
+    def scalar_bits(self, value):
+        """Convert a Python number to this dtype and return what a kernel parameter of this
+        C type holds (an int bit pattern for 16-bit floats, else the value itself).
+
+        Follows NumPy's rule for Python scalars (NEP 50): the scalar takes the array's dtype;
+        an int that does not fit an integer dtype raises ``OverflowError``.
+        """
+        if self.kind == "i":
+            v = int(value)
+            lo = -(1 << (8 * self.itemsize - 1))
+            if not lo <= v < -lo:
+                raise OverflowError(f"Python integer {v} out of bounds for {self.name}")
+            return v
+        v = float(value)
+        if self.name == "float16":
+            try:
+                return struct.unpack("<H", struct.pack("<e", v))[0]
+            except OverflowError:  # rounds past the largest half: +-inf, as NumPy gives
+                return 0x7C00 if v > 0 else 0xFC00
+        if self.name == "bfloat16":
+            return _float_to_bf16_bits(v)
+        if self.name == "float32":
+            # Round to float32 the way NumPy would (overflow to inf, not an error).
+            try:
+                return struct.unpack("<f", struct.pack("<f", v))[0]
+            except OverflowError:
+                return math.copysign(math.inf, v)
+        return v
+
+
+def _float_to_bf16_bits(v: float) -> int:
+    """Round a Python float to bfloat16 (round to nearest even) and return its 16 bits."""
+    if math.isnan(v):
+        return 0x7FC0
+    try:
+        u = struct.unpack("<I", struct.pack("<f", v))[0]
+    except OverflowError:
+        return 0x7F80 if v > 0 else 0xFF80
+    f = struct.unpack("<f", struct.pack("<I", u))[0]
+    if f != v and not math.isinf(f):
+        # Round-to-odd in the float32 step, so that rounding twice (double -> float32 ->
+        # bfloat16) gives the correctly rounded result.
+        if abs(f) > abs(v):
+            u -= 1
+        u |= 1
+    u += 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16) & 0xFFFF
+
+
+def _mk(*args):
+    return DType(*args)
+
+
+#: Every dtype the normaliser understands, arithmetic or not.
+DTYPES = {
+    d.name: d
+    for d in (
+        _mk("float16", 2, "cl::half_t", "f", "<f2", (2, 16), "H", True),
+        _mk("bfloat16", 2, "cl::bf16_t", "f", None, (4, 16), "H", True),
+        _mk("float32", 4, "float", "f", "<f4", (2, 32), "f", True),
+        _mk("float64", 8, "double", "f", "<f8", (2, 64), "d", True),
+        _mk("int32", 4, "int", "i", "<i4", (0, 32), "i", True),
+        _mk("int64", 8, "long long", "i", "<i8", (0, 64), "q", True),
+        # Understood so that errors can name them; no arithmetic kernel takes them.
+        _mk("bool", 1, "bool", "b", "|b1", (6, 8), "?", False),
+        _mk("int8", 1, "signed char", "i", "|i1", (0, 8), "b", False),
+        _mk("int16", 2, "short", "i", "<i2", (0, 16), "h", False),
+        _mk("uint8", 1, "unsigned char", "u", "|u1", (1, 8), "B", False),
+        _mk("uint16", 2, "unsigned short", "u", "<u2", (1, 16), "H", False),
+        _mk("uint32", 4, "unsigned int", "u", "<u4", (1, 32), "I", False),
+        _mk("uint64", 8, "unsigned long long", "u", "<u8", (1, 64), "Q", False),
+        _mk("complex64", 8, "complex64", "c", "<c8", (5, 64), "", False),
+        _mk("complex128", 16, "complex128", "c", "<c16", (5, 128), "", False),
+    )
+}
+
+#: The dtypes cupylab's arithmetic operators accept, in a stable order.
+ARITHMETIC = tuple(d for d in DTYPES.values() if d.arithmetic)
+
+_BY_TYPESTR = {}
+for _d in DTYPES.values():
+    if _d.typestr:
+        _BY_TYPESTR[_d.typestr] = _d
+        _BY_TYPESTR[_d.typestr.replace("<", "=")] = _d
+        if _d.itemsize == 1:
+            _BY_TYPESTR[_d.typestr.replace("|", "<")] = _d
+            _BY_TYPESTR[_d.typestr.replace("|", "=")] = _d
+_BY_DLPACK = {d.dlpack: d for d in DTYPES.values()}
+_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16",
+            "fp16": "float16", "fp32": "float32", "fp64": "float64", "f16": "float16",
+            "f32": "float32", "f64": "float64", "i32": "int32", "i64": "int64", "int": "int64"}
+
+
+def from_name(name: str) -> DType:
+    """Look a dtype up by canonical name or common alias (``"fp32"``, ``"bf16"``)."""
+    key = _ALIASES.get(name, name)
+    try:
+        return DTYPES[key]
+    except KeyError:
+        raise TypeError(f"unknown dtype {name!r}; cupylab knows: {', '.join(DTYPES)}") from None
+
+
+def from_typestr(typestr: str) -> DType:
+    """Map a NumPy/CAI type string (``"<f4"``) to a :class:`DType`."""
+    d = _BY_TYPESTR.get(typestr)
+    if d is None:
+        if typestr.startswith(">"):
+            raise TypeError(f"big-endian data ({typestr!r}) is not supported")
+        raise TypeError(f"unsupported CUDA Array Interface typestr {typestr!r}")
+    return d
+
+
+def from_dlpack(code: int, bits: int, lanes: int = 1) -> DType:
+    """Map a DLPack ``(code, bits, lanes)`` triple to a :class:`DType`."""
+    if lanes != 1:
+        raise TypeError(f"DLPack vector dtypes (lanes={lanes}) are not supported")
+    d = _BY_DLPACK.get((code, bits))
+    if d is None:
+        raise TypeError(f"unsupported DLPack dtype (code={code}, bits={bits})")
+    return d
+
+
+def resolve(dtype) -> DType:
+    """Accept a :class:`DType`, a name, a NumPy/ml_dtypes dtype or scalar type, or a torch
+    dtype, and return the :class:`DType`."""
+    if isinstance(dtype, DType):
+        return dtype
+    if isinstance(dtype, str):
+        return from_name(dtype)
+    # torch.dtype prints as "torch.float32"; numpy dtypes and scalar types have .name or
+    # __name__; ml_dtypes.bfloat16 is named "bfloat16".
+    name = getattr(dtype, "name", None)
+    if not isinstance(name, str):
+        name = getattr(dtype, "__name__", None) or str(dtype)
+    if name.startswith("torch."):
+        name = name[6:]
+    return from_name(name)

@@ -1,0 +1,331 @@
+"""Shared machinery for NumPy-style elementwise operators: argument classification,
+broadcasting, the dtype rule, ``out=`` checks, output allocation in the caller's framework,
+and the choice of stream and device.
+
+Used by :mod:`cupylab.ops.elementwise` and by user-defined elementwise kernels
+(:mod:`cupylab.kernels`); each supplies the kernel launch.
+"""
+from __future__ import annotations
+
+import numbers
+import sys
+
+from . import _arrays, _launch, _runtime
+from ._arrays import View
+
+__all__ = ["Call", "prepare_call", "broadcast_shapes", "c_strides", "coalesce"]
+
+
+def c_strides(shape):
+    """C-contiguous strides (in elements) for ``shape``."""
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= s
+    return tuple(reversed(st))
+
+
+def broadcast_shapes(shapes, what="operands"):
+    """NumPy broadcasting of several shapes; raises ``ValueError`` naming them all."""
+    nd = max((len(s) for s in shapes), default=0)
+    out = [1] * nd
+    for s in shapes:
+        off = nd - len(s)
+        for i, e in enumerate(s):
+            o = out[off + i]
+            if e != o:
+                if o == 1:
+                    out[off + i] = e
+                elif e != 1:
+                    raise ValueError(
+                        f"{what}: shapes {' and '.join(str(tuple(x)) for x in shapes)} cannot be "
+                        "broadcast together")
+    return tuple(out)
+
+
+def broadcast_strides(view: View, shape):
+    """Strides of ``view`` stretched to ``shape`` (0 where it is broadcast)."""
+    off = len(shape) - len(view.shape)
+    st = [0] * off
+    for e, s, target in zip(view.shape, view.strides, shape[off:]):
+        st.append(s if e == target else 0)
+    return tuple(st)
+
+
+def coalesce(shape, strides_list):
+    """Drop extent-1 dims and merge neighbours that are contiguous with each other in every
+    operand. Returns ``(shape, [strides...])`` with the same element order."""
+    keep = [i for i, e in enumerate(shape) if e != 1]
+    if not keep:
+        return (), [() for _ in strides_list]
+    sh = [shape[keep[0]]]
+    sts = [[st[keep[0]]] for st in strides_list]
+    for i in keep[1:]:
+        e = shape[i]
+        if all(s[-1] == st[i] * e for s, st in zip(sts, strides_list)):
+            sh[-1] *= e
+            for s, st in zip(sts, strides_list):
+                s[-1] = st[i]
+        else:
+            sh.append(e)
+            for s, st in zip(sts, strides_list):
+                s.append(st[i])
+    return tuple(sh), [tuple(s) for s in sts]
+
+
+def _span(v: View, shape, strides):
+    """Byte range [lo, hi) a view touches (for overlap checks)."""
+    if 0 in shape:
+        return None
+    isz = v.dtype.itemsize
+    lo = hi = v.ptr
+    for e, s in zip(shape, strides):
+        if s > 0:
+            hi += (e - 1) * s * isz
+        else:
+            lo += (e - 1) * s * isz
+    return lo, hi + isz
+
+
+# --------------------------------------------------------------------------------------------
+# output allocation in the caller's framework
+_torch_dt: dict = {}
+_torch_dev: dict = {}
+_cupy_dt: dict = {}
+
+
+def _np_dtype_for(dt):
+    d = _cupy_dt.get(dt.name)
+    if d is None:
+        if dt.name == "bfloat16":
+            try:
+                import ml_dtypes  # noqa: PLC0415
+
+                d = ml_dtypes.bfloat16
+            except ImportError:
+                raise TypeError("bfloat16 results as CuPy arrays need the ml_dtypes package "
+                                "(pip install ml_dtypes)") from None
+        else:
+            import numpy  # noqa: PLC0415
+
+            d = numpy.dtype(dt.name)
+        _cupy_dt[dt.name] = d
+    return d
+
+
+def allocate(kind, shape, dt, device):
+    """A new C-contiguous array: torch for torch callers, CuPy for everyone else (JAX and
+    Numba results are wrapped from it after the launch: :func:`finish_output`)."""
+    if kind == "torch":
+        torch = sys.modules["torch"]
+        tdt = _torch_dt.get(dt.name)
+        if tdt is None:
+            tdt = _torch_dt[dt.name] = getattr(torch, dt.name)
+        dev = _torch_dev.get(device)
+        if dev is None:
+            dev = _torch_dev[device] = torch.device("cuda", device)
+        return torch.empty(shape, dtype=tdt, device=dev)
+    cp = _runtime.cupy()
+    return cp.empty(shape, dtype=_np_dtype_for(dt))
+
+
+def finish_output(kind, out, stream, device):
+    """Hand a freshly written CuPy output to JAX / Numba callers (zero-copy)."""
+    if kind == "jax":
+        import jax.dlpack  # noqa: PLC0415 - JAX is only imported when the caller uses it
+
+        cp = _runtime.cupy()
+        # JAX's import waits on CuPy's current stream; order it after our launch stream.
+        _launch.wait_for(cp.cuda.get_current_stream().ptr, stream, device)
+        return jax.dlpack.from_dlpack(out)
+    if kind == "numba":
+        from numba import cuda as ncuda  # noqa: PLC0415
+
+        try:
+            return ncuda.as_cuda_array(out, sync=False)
+        except TypeError:  # older numba without sync=
+            return ncuda.as_cuda_array(out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+def _is_scalar(v):
+    return isinstance(v, numbers.Number) and not hasattr(v, "__cuda_array_interface__") and (
+        getattr(v, "shape", ()) == ())
+
+
+class Call:
+    """Everything an elementwise launch needs, validated.
+
+    Attributes: ``views`` (per operand a View or None for scalars), ``scalars`` (per operand
+    the scalar bit pattern or 0), ``dtype``, ``shape`` (broadcast), ``out`` (View), ``out_obj``
+    (what to return), ``kind`` (output framework), ``device``, ``stream``, ``size``.
+    """
+
+    __slots__ = ("views", "scalars", "dtype", "shape", "out", "out_obj", "kind", "device",
+                 "stream", "size", "allocated")
+
+
+def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalars=None,
+                 dtype_check=None) -> Call:
+    """Validate elementwise operands and produce a :class:`Call` (output allocated).
+
+    Parameters
+    ----------
+    name : str
+        Operator name for messages.
+    operands : sequence
+        Arrays or Python/NumPy scalars; at least one must be an array.
+    out : array, optional
+        Where to write. Must be writable, of the broadcast shape and the result dtype, on the
+        same device; may be exactly one of the inputs, must not partially overlap any.
+    stream : optional
+        Stream override (see :func:`cupylab._launch.resolve_stream`).
+    names : sequence of str
+        Parameter names for messages.
+    allow_scalars : sequence of bool
+        Per operand, whether a scalar is accepted there.
+    dtype_check : callable(DType) -> None
+        Raises for dtypes the operator does not support.
+    """
+    names = names or [f"x{i}" for i in range(len(operands))]
+    ops = list(operands)
+    n = len(ops)
+    fns = [None] * n
+    lead = None
+    for i, o in enumerate(ops):
+        fn = _arrays.framework_of(o)
+        if fn is None:
+            if _is_scalar(o):
+                if allow_scalars is not None and not allow_scalars[i]:
+                    raise TypeError(f"{name}: {names[i]} must be a GPU array (got a scalar {o!r})")
+                continue
+            raise _arrays._host_error(f"{name}: {names[i]}", o)
+        fns[i] = fn
+        if lead is None:
+            lead = i
+    if lead is None:
+        raise TypeError(f"{name}: at least one operand must be a GPU array (all are scalars)")
+
+    dlpack_fns = (_arrays._from_jax, _arrays._from_dlpack)
+    views = [None] * n
+    for i, fn in enumerate(fns):
+        if fn is not None and fn not in dlpack_fns:
+            views[i] = fn(ops[i], f"{name}: {names[i]}", None)
+
+    # device: the first array's
+    lv = views[lead]
+    if lv is not None:
+        device = lv.device
+        if device is None:
+            device = lv.device = _runtime.pointer_device(lv.ptr) if lv.ptr else _runtime.current_device()
+    else:
+        device = int(ops[lead].__dlpack_device__()[1])
+    kind = _kind_of(fns[lead])
+
+    with _launch.ensure_device(device):
+        if stream is None:
+            s = _launch.current_stream(kind, device)
+        else:
+            s = _launch.resolve_stream(stream)
+        for i, fn in enumerate(fns):
+            if fn in dlpack_fns:
+                views[i] = fn(ops[i], f"{name}: {names[i]}", s)
+        # devices, dtypes
+        dt = None
+        for i, v in enumerate(views):
+            if v is None:
+                continue
+            if v.device is None:
+                v.device = _runtime.pointer_device(v.ptr) if v.ptr else device
+            if v.device != device:
+                raise ValueError(
+                    f"{name}: arrays are on different GPUs ({names[lead]} on cuda:{device}, "
+                    f"{names[i]} on cuda:{v.device})")
+            if dt is None:
+                dt = v.dtype
+            elif v.dtype is not dt:
+                raise TypeError(
+                    f"{name}: dtypes must match (got {dt.name} and {v.dtype.name} for "
+                    f"{names[i]}); cupylab does not promote between arrays, cast one first")
+        if dtype_check is not None:
+            dtype_check(dt)
+        scalars = [0] * n
+        for i, o in enumerate(ops):
+            if views[i] is None:
+                scalars[i] = _scalar_for(name, names[i], o, dt)
+
+        shapes = [v.shape for v in views if v is not None]
+        shape = shapes[0] if all(sh == shapes[0] for sh in shapes) else broadcast_shapes(
+            shapes, name)
+        c = Call()
+        c.views, c.scalars, c.dtype, c.shape, c.device, c.stream, c.kind = (
+            views, scalars, dt, shape, device, s, kind)
+        size = 1
+        for e in shape:
+            size *= e
+        c.size = size
+        if out is None:
+            c.out_obj = allocate(kind, shape, dt, device)
+            c.out = _arrays.as_view(c.out_obj, f"{name}: out")
+            c.allocated = True
+            if kind == "torch" and stream is not None and s != _launch.current_stream("torch", device):
+                torch = sys.modules["torch"]
+                c.out_obj.record_stream(torch.cuda.ExternalStream(s, device=device))
+        else:
+            ov = _check_out(name, out, shape, dt, device, views, names)
+            c.out, c.out_obj, c.allocated = ov, out, False
+        return c
+
+
+def _kind_of(fn):
+    return {_arrays._from_torch: "torch", _arrays._from_cupy: "cupy", _arrays._from_jax: "jax",
+            _arrays._from_numba: "numba"}.get(fn, "cupy")
+
+
+def _scalar_for(name, pname, v, dt):
+    if isinstance(v, bool) or type(v).__name__ == "bool_":
+        raise TypeError(f"{name}: {pname} is a bool scalar; arithmetic on booleans is not supported")
+    if isinstance(v, numbers.Complex) and not isinstance(v, numbers.Real):
+        raise TypeError(f"{name}: {pname} is a complex scalar; complex dtypes are not supported")
+    if dt.kind == "i" and not isinstance(v, numbers.Integral):
+        raise TypeError(
+            f"{name}: {pname}={v!r} is a float scalar but the arrays are {dt.name}; NumPy would "
+            "promote to float64, cupylab does not promote: cast the array or pass an int")
+    try:
+        return dt.scalar_bits(v)
+    except OverflowError as e:
+        raise OverflowError(f"{name}: {pname}: {e}") from None
+
+
+def _check_out(name, out, shape, dt, device, views, names):
+    ov = _arrays.as_view(out, f"{name}: out")
+    if ov.readonly:
+        raise ValueError(
+            f"{name}: out is read-only ({ov.kind} array); JAX arrays are immutable, so pass no "
+            "out= and use the returned array")
+    if ov.device is None:
+        ov.device = _runtime.pointer_device(ov.ptr) if ov.ptr else device
+    if ov.device != device:
+        raise ValueError(f"{name}: out is on cuda:{ov.device} but the inputs are on cuda:{device}")
+    if ov.shape != shape:
+        raise ValueError(f"{name}: out has shape {ov.shape}, expected {shape}")
+    if ov.dtype is not dt:
+        raise TypeError(f"{name}: out has dtype {ov.dtype.name}, expected {dt.name}")
+    if any(s == 0 and e > 1 for s, e in zip(ov.strides, ov.shape)):
+        raise ValueError(f"{name}: out has zero strides (a broadcast view); it cannot be written")
+    ospan = _span(ov, ov.shape, ov.strides)
+    if ospan is None:
+        return ov
+    for i, v in enumerate(views):
+        if v is None:
+            continue
+        bst = broadcast_strides(v, shape)
+        if v.ptr == ov.ptr and bst == ov.strides:
+            continue  # exactly in place: every element is read and written by one thread
+        sp = _span(v, shape, bst)
+        if sp is not None and sp[0] < ospan[1] and ospan[0] < sp[1]:
+            raise ValueError(
+                f"{name}: out overlaps {names[i]} without being exactly the same view; "
+                "partial overlap would read elements after they are written")
+    return ov

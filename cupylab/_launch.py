@@ -1,0 +1,177 @@
+"""Launching: streams, devices, and one lean path from Python arguments to ``cuLaunchKernel``.
+
+:class:`Kernel` is one kernel instance (a name expression in a :class:`~cupylab._compile.Program`)
+with its parameter layout. Launching packs the arguments with a precompiled ``struct.Struct``
+into a per-thread buffer whose parameter addresses were computed once, then calls CuPy's thin
+``cuLaunchKernel`` binding with the cached ``CUfunction`` for the device. No per-call dicts,
+NumPy scalars or CuPy objects.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+import threading
+
+from . import _compile, _runtime
+
+__all__ = ["Kernel", "resolve_stream", "current_stream", "wait_for", "ensure_device"]
+
+
+# --------------------------------------------------------------------------------------------
+# streams
+def resolve_stream(stream) -> int:
+    """A stream handle from ``stream=``: an int (``cudaStream_t``; 0 = legacy default), a CuPy
+    ``Stream`` (``.ptr``), a torch ``Stream`` (``.cuda_stream``), or any object with the
+    ``__cuda_stream__`` protocol (``(version, handle)``)."""
+    if isinstance(stream, int):
+        if stream < 0:
+            raise ValueError(f"stream must be a non-negative stream handle (got {stream})")
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        return int(proto()[1])
+    for attr in ("cuda_stream", "ptr", "handle"):
+        v = getattr(stream, attr, None)
+        if isinstance(v, int):
+            return v
+        if v is not None and hasattr(v, "value"):  # numba's handle is a ctypes c_void_p
+            return int(v.value or 0)
+    raise TypeError(
+        "stream must be an int handle, a CuPy or torch stream, or an object with "
+        f"__cuda_stream__ (got {type(stream).__module__}.{type(stream).__qualname__})")
+
+
+_torch_raw_stream = None
+
+
+def current_stream(kind: str, device: int) -> int:
+    """The caller's current stream on ``device``: torch's for torch arrays, CuPy's otherwise.
+    ``device`` must be the current device."""
+    global _torch_raw_stream
+    if kind == "torch":
+        f = _torch_raw_stream
+        if f is None:
+            f = _torch_raw_stream = sys.modules["torch"]._C._cuda_getCurrentRawStream
+        return f(device)
+    return _runtime.cupy().cuda.get_current_stream().ptr
+
+
+_tls_events = threading.local()
+
+
+def wait_for(consumer: int, producer, device: int) -> None:
+    """Make ``consumer`` wait for the work already queued on ``producer`` (a CAI v3 stream):
+    an event recorded on the producer and waited on by the consumer — never a host block."""
+    if producer is None or producer == consumer:
+        return
+    rt = _runtime.cupy().cuda.runtime
+    if producer == 1:  # CAI/DLPack legacy default stream is handle 0 to the runtime
+        producer = 0
+        if consumer == 0:
+            return
+    evs = getattr(_tls_events, "d", None)
+    if evs is None:
+        evs = _tls_events.d = {}
+    ev = evs.get(device)
+    if ev is None:
+        ev = evs[device] = rt.eventCreateWithFlags(rt.eventDisableTiming)
+    rt.eventRecord(ev, producer)
+    rt.streamWaitEvent(consumer, ev, 0)
+
+
+def ensure_device(device: int):
+    """Make ``device`` current if it is not; returns a context manager (a no-op when it is)."""
+    cp = _runtime.cupy()
+    if cp.cuda.runtime.getDevice() == device:
+        return _NULL
+    return cp.cuda.Device(device)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+_NULL = _Null()
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+class Kernel:
+    """One kernel instance with a fixed parameter layout.
+
+    Parameters
+    ----------
+    program : cupylab._compile.Program
+    name_expression : str
+        The instance to launch, e.g. ``"cl::ew_contig<float, 0, 4>"``.
+    param_formats : sequence of str
+        One ``struct`` format per kernel parameter, in order: ``"Q"`` for pointers, ``"i"``
+        ``"q"`` ``"f"`` ``"d"`` ``"H"`` for scalars, ``"8q"`` for a by-value array struct...
+    """
+
+    __slots__ = ("program", "name_expression", "_struct", "_offsets", "_size", "_tls", "_fns",
+                 "_lock")
+
+    def __init__(self, program, name_expression, param_formats):
+        self.program = program
+        self.name_expression = name_expression
+        fmts = list(param_formats)
+        self._struct = struct.Struct("@" + "".join(fmts))
+        offs = []
+        prefix = "@"
+        for f in fmts:
+            offs.append(struct.calcsize(prefix + f) - struct.calcsize("@" + f))
+            prefix += f
+        self._offsets = tuple(offs)
+        self._size = max(self._struct.size, 8)
+        self._tls = threading.local()
+        self._fns = {}
+        self._lock = threading.Lock()
+
+    def function(self, device: int) -> int:
+        """The ``CUfunction`` handle on ``device`` (compiling/loading on first use)."""
+        f = self._fns.get(device)
+        if f is None:
+            mod = _compile.get_module(self.program, device)
+            f = self._fns.setdefault(device, mod.function(self.name_expression).ptr)
+        return f
+
+    def _buffers(self):
+        buf = ctypes.create_string_buffer(self._size)
+        base = ctypes.addressof(buf)
+        params = (ctypes.c_void_p * max(len(self._offsets), 1))(*[base + o for o in self._offsets])
+        bp = (buf, params, ctypes.addressof(params))
+        self._tls.bp = bp
+        return bp
+
+    def launch(self, device: int, grid: int, block: int, stream: int, args, shared_mem: int = 0,
+               grid_yz=(1, 1), block_yz=(1, 1)):
+        """Launch on ``stream``. ``device`` must be current. ``args`` match ``param_formats``."""
+        f = self._fns.get(device)
+        if f is None:
+            f = self.function(device)
+        try:
+            buf, _, params = self._tls.bp
+        except AttributeError:
+            buf, _, params = self._buffers()
+        self._struct.pack_into(buf, 0, *args)
+        _launch_kernel()(f, grid, grid_yz[0], grid_yz[1], block, block_yz[0], block_yz[1],
+                         shared_mem, stream, params, 0)
+
+
+_driver_launch = None
+
+
+def _launch_kernel():
+    global _driver_launch
+    if _driver_launch is None:
+        _runtime.cupy()
+        from cupy_backends.cuda.api import driver  # noqa: PLC0415
+
+        _driver_launch = driver.launchKernel
+    return _driver_launch

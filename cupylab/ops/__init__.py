@@ -1,0 +1,1 @@
+"""cupylab's operators, one module per family."""

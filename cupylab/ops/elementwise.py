@@ -1,0 +1,313 @@
+"""Elementwise arithmetic: ``add``, ``sub``, ``mul``, ``div``, ``vector_add`` and the fused
+``fused_add_mul`` — wrappers, dispatch and launch over ``cuda_src/elementwise.cu``.
+
+Dispatch (the seed's "kernel choice by shape"):
+
+* every operand (and ``out``) C-contiguous over the broadcast shape → ``ew_contig``:
+  16-byte vectors when all pointers share their offset modulo 16 (the head before the first
+  16-byte boundary and the tail are peeled), else one element per access;
+* anything else (non-contiguous, negative or zero strides, broadcasting) → ``ew_strided``, with
+  32-bit index arithmetic while every offset fits, 64-bit otherwise (2^31 elements and up);
+* nothing is launched for empty outputs.
+"""
+from __future__ import annotations
+
+from .. import _compile, _dtypes, _launch, _runtime
+from .._elementwise_core import broadcast_strides, c_strides, coalesce, finish_output, prepare_call
+
+__all__ = ["add", "sub", "mul", "div", "vector_add", "fused_add_mul"]
+
+OPS = {"add": 0, "sub": 1, "mul": 2, "div": 3, "fused_add_mul": 4}
+MAXD = 8  # CL_MAXD in elementwise.cu
+BLOCK = 256  # threads per block (__launch_bounds__ in the kernels)
+UNROLL = 4  # CL_UNROLL: vectors per thread per grid-stride step
+STRIDED_WAVES = 16  # strided grid: blocks per SM before threads loop (grid-stride)
+_INT32_MAX = 2**31 - 1
+
+_programs: dict = {}
+_kernels: dict = {}
+
+
+def vector_width(dt) -> int:
+    return 16 // dt.itemsize
+
+
+def name_expressions(dt):
+    """Every kernel instance for one dtype (one NVRTC program per dtype keeps a cold compile
+    around a second)."""
+    names = []
+    for op in OPS.values():
+        names += [f"cl::ew_contig<{dt.ctype}, {op}, {vector_width(dt)}>",
+                  f"cl::ew_contig<{dt.ctype}, {op}, 1>",
+                  f"cl::ew_strided<{dt.ctype}, {op}, int>",
+                  f"cl::ew_strided<{dt.ctype}, {op}, long long>"]
+    return names
+
+
+def program(dt) -> _compile.Program:
+    p = _programs.get(dt.name)
+    if p is None:
+        p = _programs.setdefault(dt.name, _compile.Program.from_file(
+            _compile.cuda_src_dir() / "elementwise.cu", name_expressions(dt)))
+    return p
+
+
+def all_programs():
+    """Every program this module can launch (CI compiles them all for sm_80 and sm_90)."""
+    return [program(dt) for dt in _dtypes.ARITHMETIC]
+
+
+def _kernel(op, dt, variant):
+    key = (op, dt.name, variant)
+    k = _kernels.get(key)
+    if k is None:
+        t = dt.fmt
+        if variant == "vec":
+            name, fmts = f"cl::ew_contig<{dt.ctype}, {op}, {vector_width(dt)}>", None
+        elif variant == "scalar":
+            name, fmts = f"cl::ew_contig<{dt.ctype}, {op}, 1>", None
+        else:
+            it = "int" if variant == "strided32" else "long long"
+            name = f"cl::ew_strided<{dt.ctype}, {op}, {it}>"
+            i = "i" if variant == "strided32" else "q"
+            fmts = ["Q", "Q", "Q", "Q", t, t, t, i, "i"] + [f"{MAXD}{i}"] * 5
+        if fmts is None:
+            fmts = ["Q", "Q", "Q", "Q", t, t, t, "q", "q"]
+        k = _kernels.setdefault(key, _launch.Kernel(program(dt), name, fmts))
+    return k
+
+
+def _check_arith(opname):
+    def check(dt):
+        if not dt.arithmetic:
+            raise TypeError(
+                f"{opname}: unsupported dtype {dt.name}; supported: "
+                f"{', '.join(d.name for d in _dtypes.ARITHMETIC)}")
+    return check
+
+
+def _run(opname, operands, names, out, stream, allow_scalars):
+    op = OPS[opname]
+    c = prepare_call(opname, operands, out=out, stream=stream, names=names,
+                     allow_scalars=allow_scalars, dtype_check=_check_arith(opname))
+    if c.size:
+        _launch_call(op, c)
+    return finish_output(c.kind, c.out_obj, c.stream, c.device) if c.allocated else c.out_obj
+
+
+def _launch_call(op, c):
+    dt, shape, n = c.dtype, c.shape, c.size
+    views = list(c.views) + [None] * (3 - len(c.views))
+    scal = list(c.scalars) + [0] * (3 - len(c.scalars))
+    ptrs = [v.ptr if v is not None else 0 for v in views]
+    o = c.out
+    # wait for producers that told us their stream (CAI v3)
+    for v in views:
+        if v is not None and v.stream is not None:
+            _launch.wait_for(c.stream, v.stream, c.device)
+    cs = c_strides(shape)
+    contiguous = o.strides == cs and all(
+        v is None or (v.shape == shape and v.strides == cs) for v in views)
+    sh = sts = None
+    if not contiguous:
+        all_strides = [o.strides] + [broadcast_strides(v, shape) if v is not None
+                                     else (0,) * len(shape) for v in views]
+        sh, sts = coalesce(shape, all_strides)
+        # contiguous after merging dims (size-1 dims with odd strides, C-order views)
+        contiguous = len(sh) <= 1 and all(
+            st == (1,) or not st for st, v in zip(sts, [o] + views) if v is not None)
+    if contiguous:
+        isz = dt.itemsize
+        mod = o.ptr % 16
+        vec = mod % isz == 0 and all(p % 16 == mod for p, v in zip(ptrs, views) if v is not None)
+        if vec:
+            head = min(n, ((16 - mod) % 16) // isz)
+            nvec = (n - head) // (16 // isz)
+            k = _kernel(op, dt, "vec")
+        else:
+            head, nvec = 0, n
+            k = _kernel(op, dt, "scalar")
+        grid = max(1, -(-nvec // (BLOCK * UNROLL)))
+        k.launch(c.device, min(grid, _INT32_MAX), BLOCK, c.stream,
+                 (o.ptr, ptrs[0], ptrs[1], ptrs[2], scal[0], scal[1], scal[2], n, head))
+        return
+    if len(sh) > MAXD:
+        raise ValueError(f"{list(OPS)[op]}: more than {MAXD} dimensions that cannot be merged "
+                         f"(shape {shape}); make the arrays contiguous first")
+    big = n > _INT32_MAX or any(
+        sum(abs(s) * (e - 1) for s, e in zip(st, sh)) > _INT32_MAX for st in sts)
+    k = _kernel(op, dt, "strided64" if big else "strided32")
+    pad = (0,) * (MAXD - len(sh))
+    sm = _runtime.device_info(c.device).sm_count
+    grid = max(1, min(-(-n // BLOCK), sm * STRIDED_WAVES))
+    args = [o.ptr, ptrs[0], ptrs[1], ptrs[2], scal[0], scal[1], scal[2], n, len(sh)]
+    args += sh + pad
+    for st in sts:
+        args += st + pad
+    k.launch(c.device, grid, BLOCK, c.stream, args)
+
+
+_COMMON_DOC = """
+    Accepts CuPy arrays, torch tensors, JAX arrays, Numba device arrays and any object with
+    ``__cuda_array_interface__`` (v2/v3) or ``__dlpack__``, without copying. Operands broadcast
+    like NumPy. dtypes: float16, bfloat16, float32, float64, int32, int64; array operands must
+    share one dtype (no promotion between arrays); a Python scalar takes the arrays' dtype
+    (NumPy's rule for Python scalars), a float scalar with integer arrays is refused.
+
+    Runs on the caller's current stream (torch's for torch inputs, CuPy's otherwise) or on
+    ``stream``; never blocks the host; works under CUDA graph capture.
+
+    Returns
+    -------
+    array
+        ``out`` when given; else a new array in the framework of the first array argument
+        (torch → torch tensor, CuPy → CuPy array, JAX → JAX array, Numba → Numba device
+        array, other CAI/DLPack objects → CuPy array).
+
+    Raises
+    ------
+    TypeError
+        Host arrays, unsupported or mismatched dtypes, tensors requiring grad, conj/neg views.
+    ValueError
+        Shapes that do not broadcast, a bad ``out`` (shape, read-only, broadcast, partial
+        overlap with an input), arrays on different GPUs.
+    cupylab.NoGPUError
+        No usable CUDA GPU.
+"""
+
+
+def _doc(f, text):
+    f.__doc__ = text + _COMMON_DOC
+    return f
+
+
+def add(x, y, out=None, *, stream=None):
+    return _run("add", (x, y), ("x", "y"), out, stream, None)
+
+
+def sub(x, y, out=None, *, stream=None):
+    return _run("sub", (x, y), ("x", "y"), out, stream, None)
+
+
+def mul(x, y, out=None, *, stream=None):
+    return _run("mul", (x, y), ("x", "y"), out, stream, None)
+
+
+def div(x, y, out=None, *, stream=None):
+    return _run("div", (x, y), ("x", "y"), out, stream, None)
+
+
+def vector_add(x, y, out=None, *, stream=None):
+    return _run("add", (x, y), ("x", "y"), out, stream, (False, False))
+
+
+def fused_add_mul(a, b, s, out=None, *, stream=None):
+    return _run("fused_add_mul", (a, b, s), ("a", "b", "s"), out, stream, (False, False, True))
+
+
+_doc(add, """Elementwise ``x + y``.
+
+    Parameters
+    ----------
+    x, y : GPU array or scalar
+    out : GPU array, optional
+    stream : stream, optional
+""")
+_doc(sub, """Elementwise ``x - y``.
+
+    Parameters
+    ----------
+    x, y : GPU array or scalar
+    out : GPU array, optional
+    stream : stream, optional
+""")
+_doc(mul, """Elementwise ``x * y``.
+
+    Parameters
+    ----------
+    x, y : GPU array or scalar
+    out : GPU array, optional
+    stream : stream, optional
+""")
+_doc(div, """Elementwise division.
+
+    Floating point: true division ``x / y`` (IEEE: x/0 is ±inf or nan). Integers: floor
+    division like Python's ``//`` and ``numpy.floor_divide`` (rounds toward -inf); ``x // 0`` is
+    0 (NumPy's result, without its warning) and ``MIN // -1`` wraps to ``MIN``.
+
+    Parameters
+    ----------
+    x, y : GPU array or scalar
+    out : GPU array, optional
+    stream : stream, optional
+""")
+_doc(vector_add, """The seed's example: ``x + y`` for two GPU arrays (no scalars).
+
+    Parameters
+    ----------
+    x, y : GPU array
+    out : GPU array, optional
+    stream : stream, optional
+""")
+_doc(fused_add_mul, """``(a + b) * s`` in one pass: reads a, b (and s) once, writes once.
+
+    16-bit floats are computed in float32 and rounded once (torch's two-kernel version rounds
+    ``a + b`` too). Integers wrap.
+
+    Parameters
+    ----------
+    a, b : GPU array
+    s : GPU array or scalar
+    out : GPU array, optional
+    stream : stream, optional
+""")
+
+
+# -- registry entries (tests and cupylab-bench) -----------------------------------------------
+def _register():
+    from .._registry import OpSpec, register  # noqa: PLC0415
+
+    dtypes = tuple(d.name for d in _dtypes.ARITHMETIC)
+
+    def binary_peers(torch_name, cupy_name, jax_name):
+        return {
+            "torch": lambda torch, x, y: (lambda: getattr(torch, torch_name)(x, y)),
+            "torch.compile": None,  # one kernel already: nothing for Inductor to fuse
+            "cupy": lambda cp, x, y: (lambda: getattr(cp, cupy_name)(x, y)),
+            "jax": lambda jax, x, y: (lambda f=jax.jit(getattr(jax.numpy, jax_name)): f(x, y)),
+        }
+
+    for name, (tn, cn, jn) in {"vector_add": ("add", "add", "add"), "add": ("add", "add", "add"),
+                               "sub": ("sub", "subtract", "subtract"),
+                               "mul": ("mul", "multiply", "multiply"),
+                               "div": ("div", "divide", "divide")}.items():
+        register(OpSpec(
+            name, globals()[name], 2, name, dtypes,
+            bytes_per_element=lambda isz: 3 * isz, flops_per_element=1,
+            peers=binary_peers(tn, cn, jn),
+            description=f"out = x {'+' if 'add' in name else {'sub': '-', 'mul': '*', 'div': '/'}[name]} y"))
+
+    def _torch_fam(torch, a, b, s):
+        return lambda: (a + b) * s
+
+    def _torch_compile_fam(torch, a, b, s):
+        f = torch.compile(lambda a, b, s: (a + b) * s)
+        return lambda: f(a, b, s)
+
+    def _cupy_fam(cp, a, b, s):
+        k = cp.ElementwiseKernel("T a, T b, T s", "T o", "o = (a + b) * s", "cupylab_peer_fam")
+        return lambda: k(a, b, s)
+
+    def _jax_fam(jax, a, b, s):
+        f = jax.jit(lambda a, b, s: (a + b) * s)
+        return lambda: f(a, b, s)
+
+    register(OpSpec(
+        "fused_add_mul", fused_add_mul, 3, "fused_add_mul", dtypes,
+        bytes_per_element=lambda isz: 4 * isz, flops_per_element=2,
+        peers={"torch": _torch_fam, "torch.compile": _torch_compile_fam, "cupy": _cupy_fam,
+               "jax": _jax_fam},
+        description="out = (a + b) * s in one pass"))
+
+
+_register()
