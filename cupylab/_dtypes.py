@@ -185,7 +185,7 @@ def resolve(dtype) -> DType:
     if isinstance(dtype, DType):
         return dtype
     if isinstance(dtype, str):
-        return from_name(dtype)
+        return from_name(dtype[6:] if dtype.startswith("torch.") else dtype)
     # torch.dtype prints as "torch.float32"; numpy dtypes and scalar types have .name or
     # __name__; ml_dtypes.bfloat16 is named "bfloat16".
     name = getattr(dtype, "name", None)

@@ -48,7 +48,7 @@ def broadcast_strides(view: View, shape):
     off = len(shape) - len(view.shape)
     st = [0] * off
     for e, s, target in zip(view.shape, view.strides, shape[off:]):
-        st.append(s if e == target else 0)
+        st.append(s if e == target and e != 1 else 0)  # extent-1 dims: stride is irrelevant
     return tuple(st)
 
 
@@ -209,16 +209,25 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
 
     dlpack_fns = (_arrays._from_jax, _arrays._from_dlpack)
     views = [None] * n
+    pending = False
     for i, fn in enumerate(fns):
-        if fn is not None and fn not in dlpack_fns:
-            views[i] = fn(ops[i], f"{name}: {names[i]}", None)
+        if fn is not None:
+            if fn in dlpack_fns:
+                pending = True
+            else:
+                views[i] = fn(ops[i], f"{name}: {names[i]}", None)
+    # Everything that needs no GPU is checked before the runtime is touched.
+    if not pending:
+        dt, scalars, shape = _validate(name, ops, views, names, dtype_check)
+        ov = _check_out_static(name, out, shape, dt) if out is not None else None
 
     # device: the first array's
     lv = views[lead]
     if lv is not None:
         device = lv.device
         if device is None:
-            device = lv.device = _runtime.pointer_device(lv.ptr) if lv.ptr else _runtime.current_device()
+            device = lv.device = (_runtime.pointer_device(lv.ptr) if lv.ptr
+                                  else _runtime.current_device())
     else:
         device = int(ops[lead].__dlpack_device__()[1])
     kind = _kind_of(fns[lead])
@@ -228,11 +237,12 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
             s = _launch.current_stream(kind, device)
         else:
             s = _launch.resolve_stream(stream)
-        for i, fn in enumerate(fns):
-            if fn in dlpack_fns:
-                views[i] = fn(ops[i], f"{name}: {names[i]}", s)
-        # devices, dtypes
-        dt = None
+        if pending:
+            for i, fn in enumerate(fns):
+                if fn in dlpack_fns:
+                    views[i] = fn(ops[i], f"{name}: {names[i]}", s)
+            dt, scalars, shape = _validate(name, ops, views, names, dtype_check)
+            ov = _check_out_static(name, out, shape, dt) if out is not None else None
         for i, v in enumerate(views):
             if v is None:
                 continue
@@ -242,22 +252,6 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
                 raise ValueError(
                     f"{name}: arrays are on different GPUs ({names[lead]} on cuda:{device}, "
                     f"{names[i]} on cuda:{v.device})")
-            if dt is None:
-                dt = v.dtype
-            elif v.dtype is not dt:
-                raise TypeError(
-                    f"{name}: dtypes must match (got {dt.name} and {v.dtype.name} for "
-                    f"{names[i]}); cupylab does not promote between arrays, cast one first")
-        if dtype_check is not None:
-            dtype_check(dt)
-        scalars = [0] * n
-        for i, o in enumerate(ops):
-            if views[i] is None:
-                scalars[i] = _scalar_for(name, names[i], o, dt)
-
-        shapes = [v.shape for v in views if v is not None]
-        shape = shapes[0] if all(sh == shapes[0] for sh in shapes) else broadcast_shapes(
-            shapes, name)
         c = Call()
         c.views, c.scalars, c.dtype, c.shape, c.device, c.stream, c.kind = (
             views, scalars, dt, shape, device, s, kind)
@@ -269,13 +263,42 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
             c.out_obj = allocate(kind, shape, dt, device)
             c.out = _arrays.as_view(c.out_obj, f"{name}: out")
             c.allocated = True
-            if kind == "torch" and stream is not None and s != _launch.current_stream("torch", device):
+            if (kind == "torch" and stream is not None
+                    and s != _launch.current_stream("torch", device)):
                 torch = sys.modules["torch"]
                 c.out_obj.record_stream(torch.cuda.ExternalStream(s, device=device))
         else:
-            ov = _check_out(name, out, shape, dt, device, views, names)
+            if ov.device is None:
+                ov.device = _runtime.pointer_device(ov.ptr) if ov.ptr else device
+            if ov.device != device:
+                raise ValueError(
+                    f"{name}: out is on cuda:{ov.device} but the inputs are on cuda:{device}")
+            check_overlap(name, ov, shape, views, names)
             c.out, c.out_obj, c.allocated = ov, out, False
         return c
+
+
+def _validate(name, ops, views, names, dtype_check):
+    """dtype agreement, the operator's dtype rule, scalars, broadcasting (no GPU needed)."""
+    dt = None
+    for i, v in enumerate(views):
+        if v is None:
+            continue
+        if dt is None:
+            dt = v.dtype
+        elif v.dtype is not dt:
+            raise TypeError(
+                f"{name}: dtypes must match (got {dt.name} and {v.dtype.name} for "
+                f"{names[i]}); cupylab does not promote between arrays, cast one first")
+    if dtype_check is not None:
+        dtype_check(dt)
+    scalars = [0] * len(ops)
+    for i, o in enumerate(ops):
+        if views[i] is None:
+            scalars[i] = _scalar_for(name, names[i], o, dt)
+    shapes = [v.shape for v in views if v is not None]
+    shape = shapes[0] if all(sh == shapes[0] for sh in shapes) else broadcast_shapes(shapes, name)
+    return dt, scalars, shape
 
 
 def _kind_of(fn):
@@ -298,34 +321,37 @@ def _scalar_for(name, pname, v, dt):
         raise OverflowError(f"{name}: {pname}: {e}") from None
 
 
-def _check_out(name, out, shape, dt, device, views, names):
+def _check_out_static(name, out, shape, dt):
+    """Checks on ``out`` that need no GPU: writable, shape, dtype, no zero strides."""
     ov = _arrays.as_view(out, f"{name}: out")
     if ov.readonly:
         raise ValueError(
             f"{name}: out is read-only ({ov.kind} array); JAX arrays are immutable, so pass no "
             "out= and use the returned array")
-    if ov.device is None:
-        ov.device = _runtime.pointer_device(ov.ptr) if ov.ptr else device
-    if ov.device != device:
-        raise ValueError(f"{name}: out is on cuda:{ov.device} but the inputs are on cuda:{device}")
     if ov.shape != shape:
         raise ValueError(f"{name}: out has shape {ov.shape}, expected {shape}")
     if ov.dtype is not dt:
         raise TypeError(f"{name}: out has dtype {ov.dtype.name}, expected {dt.name}")
     if any(s == 0 and e > 1 for s, e in zip(ov.strides, ov.shape)):
         raise ValueError(f"{name}: out has zero strides (a broadcast view); it cannot be written")
+    return ov
+
+
+def check_overlap(name, ov, shape, views, names):
+    """Refuse an ``out`` that shares memory with an input unless it is exactly that input
+    (same pointer and strides over the broadcast shape). Conservative: byte ranges that
+    intersect count as overlap even if interleaved views never touch the same element."""
     ospan = _span(ov, ov.shape, ov.strides)
     if ospan is None:
-        return ov
+        return
     for i, v in enumerate(views):
         if v is None:
             continue
         bst = broadcast_strides(v, shape)
-        if v.ptr == ov.ptr and bst == ov.strides:
+        if v.ptr == ov.ptr and all(a == b or e == 1 for a, b, e in zip(bst, ov.strides, shape)):
             continue  # exactly in place: every element is read and written by one thread
         sp = _span(v, shape, bst)
         if sp is not None and sp[0] < ospan[1] and ospan[0] < sp[1]:
             raise ValueError(
                 f"{name}: out overlaps {names[i]} without being exactly the same view; "
                 "partial overlap would read elements after they are written")
-    return ov

@@ -86,8 +86,8 @@ def _check_arith(opname):
     return check
 
 
-def _run(opname, operands, names, out, stream, allow_scalars):
-    op = OPS[opname]
+def _run(opname, operands, names, out, stream, allow_scalars, kernel_op=None):
+    op = OPS[kernel_op or opname]
     c = prepare_call(opname, operands, out=out, stream=stream, names=names,
                      allow_scalars=allow_scalars, dtype_check=_check_arith(opname))
     if c.size:
@@ -198,7 +198,7 @@ def div(x, y, out=None, *, stream=None):
 
 
 def vector_add(x, y, out=None, *, stream=None):
-    return _run("add", (x, y), ("x", "y"), out, stream, (False, False))
+    return _run("vector_add", (x, y), ("x", "y"), out, stream, (False, False), "add")
 
 
 def fused_add_mul(a, b, s, out=None, *, stream=None):

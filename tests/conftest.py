@@ -1,0 +1,110 @@
+"""Shared test helpers: GPU detection (GPU tests are skipped with a visible reason when there
+is none) and fake protocol objects that need no GPU."""
+import os
+
+import pytest
+
+
+def _gpu_reason():
+    try:
+        import cupy
+    except Exception as e:  # noqa: BLE001
+        return f"CuPy is not importable ({e})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001
+        return f"no usable CUDA GPU ({e})"
+    return None if n > 0 else "no CUDA GPU (0 devices)"
+
+
+GPU_SKIP_REASON = _gpu_reason()
+HAS_GPU = GPU_SKIP_REASON is None
+requires_gpu = pytest.mark.skipif(not HAS_GPU, reason=f"GPU test: {GPU_SKIP_REASON}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and not HAS_GPU:
+            item.add_marker(pytest.mark.skip(reason=f"GPU test: {GPU_SKIP_REASON}"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_dir(tmp_path_factory):
+    """Point the persistent kernel cache at a per-session directory unless the caller chose
+    one, so tests never read or write the user's cache."""
+    if "CUPYLAB_CACHE_DIR" not in os.environ:
+        os.environ["CUPYLAB_CACHE_DIR"] = str(tmp_path_factory.mktemp("cupylab-cache"))
+    yield
+
+
+class FakeCAI:
+    """An object exporting a hand-written ``__cuda_array_interface__`` (never dereferenced)."""
+
+    def __init__(self, shape, typestr="<f4", ptr=0x7F0000000000, strides=None, readonly=False,
+                 version=3, stream=None, **extra):
+        d = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, readonly),
+             "version": version}
+        if strides is not None:
+            d["strides"] = tuple(strides)
+        if stream is not None:
+            d["stream"] = stream
+        d.update(extra)
+        self._cai = d
+
+    @property
+    def __cuda_array_interface__(self):
+        return self._cai
+
+
+class FakeDLPack:
+    """A DLPack producer built with ctypes: a (versioned or legacy) managed tensor describing
+    made-up device memory. Records how often its deleter ran and the stream it was asked for."""
+
+    def __init__(self, shape, code=2, bits=32, device_type=2, device_id=0, ptr=0x7F0000001000,
+                 strides=None, byte_offset=0, versioned=True, flags=0):
+        import ctypes
+
+        from cupylab import _arrays as A
+
+        self.deleted = 0
+        self.asked_stream = "unset"
+        self._shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self._strides = ((ctypes.c_int64 * len(strides))(*strides) if strides is not None
+                         else None)
+        t = A._DLTensor()
+        t.data = ptr
+        t.device = A._DLDevice(device_type, device_id)
+        t.ndim = len(shape)
+        t.dtype = A._DLDataType(code, bits, 1)
+        t.shape = ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64))
+        t.strides = (ctypes.cast(self._strides, ctypes.POINTER(ctypes.c_int64))
+                     if strides is not None else None)
+        t.byte_offset = byte_offset
+
+        def deleter(addr):
+            self.deleted += 1
+
+        self._deleter = A._DELETER(deleter)
+        if versioned:
+            m = A._DLManagedTensorVersioned()
+            m.version = A._DLPackVersion(1, 1)
+            m.flags = flags
+        else:
+            m = A._DLManagedTensor()
+        m.dl_tensor = t
+        m.deleter = self._deleter
+        self._managed = m
+        self._name = b"dltensor_versioned" if versioned else b"dltensor"
+        self._device = (device_type, device_id)
+
+    def __dlpack_device__(self):
+        return self._device
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        import ctypes
+
+        self.asked_stream = stream
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype = ctypes.py_object
+        new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        return new(ctypes.addressof(self._managed), self._name, None)

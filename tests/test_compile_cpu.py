@@ -1,0 +1,225 @@
+"""NVRTC compilation and the persistent binary cache (NVRTC needs no GPU)."""
+import os
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from cupylab import CompileError, _compile
+from cupylab.ops import elementwise
+
+REPO = Path(__file__).resolve().parent.parent
+
+SRC = r'''
+#include "helper.cuh"
+template <typename T>
+__global__ void twice(T* out, const T* x, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = helper_scale<T>() * x[i];
+}
+'''
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv("CUPYLAB_CACHE_DIR", str(d))
+    monkeypatch.delenv("CUPYLAB_CACHE_DISABLE", raising=False)
+    return d
+
+
+@pytest.fixture
+def program(tmp_path):
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "helper.cuh").write_text("template <typename T> __device__ T helper_scale() { return T(2); }\n")
+    return lambda: _compile.Program(SRC, "twice.cu", ["twice<float>", "twice<double>"],
+                                    include_dirs=[inc]), inc
+
+
+def _entries(d):
+    return sorted(p for p in d.glob("*.clbin"))
+
+
+def test_compile_produces_cubin_and_lowered_names(cache, program):
+    make, _ = program
+    binary, mapping, kind, key = _compile.compile_program(make(), 90)
+    assert kind == "cubin" and binary[:4] == b"\x7fELF"
+    assert set(mapping) == {"twice<float>", "twice<double>"}
+    assert all(v.startswith("_Z") for v in mapping.values())
+
+
+def test_cache_hit_in_new_program_object(cache, program):
+    make, _ = program
+    before = dict(_compile.stats)
+    _compile.compile_program(make(), 90)
+    _compile.compile_program(make(), 90)
+    assert _compile.stats["compiled"] - before["compiled"] == 1
+    assert _compile.stats["disk_hits"] - before["disk_hits"] == 1
+    assert len(_entries(cache)) == 1
+
+
+def test_cache_keys(cache, program):
+    make, inc = program
+    k = lambda p, cc=90: p.key(_compile.target_for(cc)[0], _compile.nvrtc_version())  # noqa: E731
+    base = k(make())
+    assert k(make(), 80) != base  # arch
+    p = make()
+    p.options += ("-DEXTRA=1",)
+    assert k(p) != base  # options
+    (inc / "helper.cuh").write_text("template <typename T> __device__ T helper_scale() { return T(3); }\n")
+    assert k(make()) != base  # an included header changed
+    other = _compile.Program(SRC + "\n// edit\n", "twice.cu", ["twice<float>", "twice<double>"],
+                             include_dirs=[inc])
+    assert k(other) != k(make())  # the source changed
+
+
+def test_header_change_recompiles(cache, program):
+    make, inc = program
+    _compile.compile_program(make(), 90)
+    (inc / "helper.cuh").write_text("template <typename T> __device__ T helper_scale() { return T(5); }\n")
+    before = _compile.stats["compiled"]
+    _compile.compile_program(make(), 90)
+    assert _compile.stats["compiled"] == before + 1
+    assert len(_entries(cache)) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
+def test_corrupt_entry_is_rebuilt_not_loaded(cache, program, damage):
+    make, _ = program
+    good, mapping, _, key = _compile.compile_program(make(), 90)
+    path = cache / f"{key}.clbin"
+    blob = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(blob[: len(blob) // 2])
+    elif damage == "flip":
+        b = bytearray(blob)
+        b[len(b) // 3] ^= 0xFF
+        path.write_bytes(bytes(b))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        path.write_bytes(os.urandom(len(blob)))
+    assert _compile.load_entry(key) is None
+    before = _compile.stats["compiled"]
+    again, mapping2, _, _ = _compile.compile_program(make(), 90)
+    assert _compile.stats["compiled"] == before + 1  # rebuilt
+    assert mapping2 == mapping and again == good
+    assert _compile.load_entry(key) is not None  # and the entry is good again
+
+
+def test_concurrent_writers_never_leave_partial_files(cache):
+    key = "k" * 64
+    payloads = [bytes([i]) * (200_000 + i) for i in range(8)]
+    errors = []
+
+    def writer(i):
+        for _ in range(10):
+            _compile.store_entry(key, payloads[i], {"f": f"_Z{i}"}, "cubin")
+
+    def reader():
+        for _ in range(200):
+            e = _compile.load_entry(key)
+            if e is not None and e[0] not in payloads:
+                errors.append("torn read")
+
+    ts = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    ts += [threading.Thread(target=reader) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    binary, mapping, kind = _compile.load_entry(key)
+    i = binary[0]
+    assert binary == payloads[i] and mapping == {"f": f"_Z{i}"}
+    assert not list(cache.glob("*.tmp"))  # no temporary files left behind
+
+
+def test_concurrent_writer_processes(cache):
+    code = ("import sys; from cupylab import _compile\n"
+            "i = int(sys.argv[1])\n"
+            "for _ in range(20): _compile.store_entry('p' * 64, bytes([i]) * 300000, {}, 'cubin')\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}) for i in range(4)]
+    assert all(p.wait() == 0 for p in procs)
+    binary, _, _ = _compile.load_entry("p" * 64)
+    assert len(set(binary)) == 1 and len(binary) == 300000
+
+
+def test_cache_location_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUPYLAB_CACHE_DIR", str(tmp_path / "x"))
+    assert _compile.cache_dir() == tmp_path / "x"
+    monkeypatch.delenv("CUPYLAB_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _compile.cache_dir() == tmp_path / "xdg" / "cupylab"
+
+
+def test_cache_disable(cache, program, monkeypatch):
+    monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
+    make, _ = program
+    _compile.compile_program(make(), 90)
+    assert not cache.exists() or not _entries(cache)
+
+
+def test_compile_error_has_log_file_and_line(cache, tmp_path):
+    src = tmp_path / "broken.cu"
+    src.write_text('extern "C" __global__ void k(float* x) {\n  x[0] = undefined_name;\n}\n')
+    p = _compile.Program.from_file(src, ["k"])
+    with pytest.raises(CompileError) as ei:
+        _compile.compile_program(p, 90)
+    msg = str(ei.value)
+    assert "broken.cu(2)" in msg and "undefined_name" in msg
+    assert ei.value.filename == "broken.cu" and "error" in ei.value.log
+
+
+def test_newer_arch_than_nvrtc_falls_back_to_ptx():
+    newest = max(_compile.supported_archs())
+    opt, kind = _compile.target_for(newest + 1000)
+    assert kind == "ptx" and opt == f"-arch=compute_{newest}"
+    assert _compile.target_for(90) == ("-arch=sm_90", "cubin")
+
+
+def test_cuda_src_found():
+    d = _compile.cuda_src_dir()
+    assert (d / "elementwise.cu").is_file() and (d / "cupylab_common.cuh").is_file()
+
+
+# -- every kernel instance, for the two archs CI promises ------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("cc", [80, 90])
+def test_every_kernel_instance_compiles(cc, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
+    n = 0
+    for prog in elementwise.all_programs():
+        binary, mapping, kind, _ = _compile.compile_program(prog, cc)
+        assert kind == "cubin" and binary[:4] == b"\x7fELF"
+        assert set(mapping) == set(prog.name_expressions)
+        n += len(mapping)
+    assert n == 6 * 5 * 4  # dtypes x ops x variants
+
+
+# -- the wheel ships the .cu sources and finds them once installed --------------------------
+@pytest.mark.slow
+def test_wheel_ships_and_finds_cuda_sources(tmp_path):
+    wheel_dir = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(wheel_dir), str(REPO)], check=True, cwd=tmp_path)
+    (whl,) = wheel_dir.glob("cupylab-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert "cupylab/cuda_src/elementwise.cu" in names
+    assert "cupylab/cuda_src/cupylab_common.cuh" in names
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(site), str(whl)], check=True, cwd=tmp_path)
+    code = ("import cupylab, cupylab._compile as c; print(cupylab.__file__); "
+            "print(c.cuda_src_dir())")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=tmp_path, env=env).stdout.split("\n")
+    assert out[0].startswith(str(site))
+    assert out[1] == str(site / "cupylab" / "cuda_src")

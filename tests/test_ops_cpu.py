@@ -1,0 +1,152 @@
+"""Operator argument handling that needs no GPU: broadcasting, the dtype rule, scalars,
+``out=`` checks and error messages (pinned), the no-GPU error, and the import contract."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cupylab
+from cupylab._arrays import View, as_view
+from cupylab._dtypes import DTYPES
+from cupylab._elementwise_core import (broadcast_shapes, broadcast_strides, c_strides,
+                                       check_overlap, coalesce)
+
+from conftest import HAS_GPU, FakeCAI
+
+F32 = DTYPES["float32"]
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+def test_broadcast_shapes_numpy_rules():
+    assert broadcast_shapes([(3, 1), (4,)]) == (3, 4)
+    assert broadcast_shapes([(), (2, 3)]) == (2, 3)
+    assert broadcast_shapes([(0, 1), (1, 5)]) == (0, 5)
+    for shapes in ([(3, 1), (4,)], [(2, 1, 5), (7, 1)], [(1,), (0,)]):
+        assert broadcast_shapes(shapes) == np.broadcast_shapes(*shapes)
+    with pytest.raises(ValueError, match=r"add: shapes \(3,\) and \(4,\) cannot be broadcast"):
+        broadcast_shapes([(3,), (4,)], "add")
+
+
+def test_broadcast_strides_zero_where_stretched():
+    v = View(0, (1, 5), (5, 1), F32, 0, False, None, "cai", None)
+    assert broadcast_strides(v, (4, 1, 5)) == (0, 0, 1)
+
+
+def test_coalesce_merges_contiguous_dims_only():
+    shape = (4, 5, 6)
+    assert coalesce(shape, [c_strides(shape)]) == ((120,), [(1,)])
+    # a column slice x[:, :3] of a (4, 6) array: rows cannot merge
+    assert coalesce((4, 3), [(6, 1)]) == ((4, 3), [(6, 1)])
+    # extent-1 dims vanish whatever their stride
+    assert coalesce((1, 7, 1), [(99, 1, 42)]) == ((7,), [(1,)])
+    # broadcast operand: its zero strides merge with each other
+    assert coalesce((4, 5), [(5, 1), (0, 0)]) == ((20,), [(1,), (0,)])
+
+
+def test_overlap_rules():
+    o = View(1000, (10,), (1,), F32, 0, False, None, "cai", None)
+    same = View(1000, (10,), (1,), F32, 0, False, None, "cai", None)
+    shifted = View(1004, (10,), (1,), F32, 0, False, None, "cai", None)
+    apart = View(1040, (10,), (1,), F32, 0, False, None, "cai", None)
+    reversed_ = View(1036, (10,), (-1,), F32, 0, False, None, "cai", None)
+    check_overlap("add", o, (10,), [same, apart], ["x", "y"])  # exact in-place is fine
+    with pytest.raises(ValueError, match="add: out overlaps x without being exactly the same view"):
+        check_overlap("add", o, (10,), [shifted], ["x"])
+    with pytest.raises(ValueError, match="out overlaps y"):
+        check_overlap("add", o, (10,), [same, reversed_], ["x", "y"])
+
+
+# -- operator argument errors (pinned messages, before any GPU call) -------------------------
+def f32(shape, **kw):
+    return FakeCAI(shape, "<f4", **kw)
+
+
+def test_host_array_refused():
+    with pytest.raises(TypeError, match=r"add: y must be a CUDA device array .*numpy\.ndarray"):
+        cupylab.add(f32((3,)), np.ones(3, np.float32))
+
+
+def test_all_scalars_refused():
+    with pytest.raises(TypeError, match="add: at least one operand must be a GPU array"):
+        cupylab.add(1.0, 2.0)
+
+
+def test_vector_add_refuses_scalars():
+    with pytest.raises(TypeError, match=r"vector_add: y must be a GPU array \(got a scalar 2.0\)"):
+        cupylab.vector_add(f32((3,)), 2.0)
+
+
+def test_dtype_mismatch_refused():
+    with pytest.raises(TypeError, match="mul: dtypes must match .*float32 and float64"):
+        cupylab.mul(f32((3,)), FakeCAI((3,), "<f8"))
+
+
+@pytest.mark.parametrize("typestr,name", [("|b1", "bool"), ("<c8", "complex64"),
+                                          ("<u4", "uint32"), ("|i1", "int8")])
+def test_unsupported_dtypes_refused(typestr, name):
+    with pytest.raises(TypeError, match=f"sub: unsupported dtype {name}; supported: float16"):
+        cupylab.sub(FakeCAI((3,), typestr), FakeCAI((3,), typestr))
+
+
+def test_shape_mismatch_refused():
+    with pytest.raises(ValueError, match=r"div: shapes \(3,\) and \(4,\) cannot be broadcast"):
+        cupylab.div(f32((3,)), f32((4,)))
+
+
+def test_scalar_rules():
+    with pytest.raises(TypeError, match="add: y is a bool scalar"):
+        cupylab.add(f32((3,)), True)
+    with pytest.raises(TypeError, match="add: y is a complex scalar"):
+        cupylab.add(f32((3,)), 1j)
+    with pytest.raises(TypeError, match=r"add: y=0.5 is a float scalar but the arrays are int32"):
+        cupylab.add(FakeCAI((3,), "<i4"), 0.5)
+    with pytest.raises(OverflowError, match="add: y: Python integer 4294967296 out of bounds "
+                                            "for int32"):
+        cupylab.add(FakeCAI((3,), "<i4"), 2**32)
+
+
+def test_out_checks():
+    x = f32((3, 4))
+    with pytest.raises(ValueError, match=r"add: out has shape \(4, 3\), expected \(3, 4\)"):
+        cupylab.add(x, x, out=f32((4, 3)))
+    with pytest.raises(TypeError, match="add: out has dtype float64, expected float32"):
+        cupylab.add(x, x, out=FakeCAI((3, 4), "<f8"))
+    with pytest.raises(ValueError, match=r"add: out is read-only \(cai array\)"):
+        cupylab.add(x, x, out=f32((3, 4), readonly=True))
+    with pytest.raises(ValueError, match="add: out has zero strides"):
+        cupylab.add(x, x, out=f32((3, 4), strides=(0, 4)))
+    with pytest.raises(TypeError, match="add: out must be a CUDA device array"):
+        cupylab.add(x, x, out=np.empty((3, 4), np.float32))
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the error raised on a machine without a GPU")
+def test_no_gpu_is_one_clear_error():
+    with pytest.raises(cupylab.NoGPUError, match="no usable CUDA GPU"):
+        cupylab.add(f32((3,)), f32((3,)))
+
+
+def test_import_is_light():
+    # A fresh interpreter: importing cupylab pulls in neither CuPy, NumPy, torch nor JAX.
+    code = ("import sys, time; t = time.perf_counter(); import cupylab; "
+            "dt = time.perf_counter() - t; "
+            "print(sorted(m for m in ('cupy', 'numpy', 'torch', 'jax') if m in sys.modules)); "
+            "print(dt)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    mods, secs = out.stdout.split("\n")[:2]
+    assert mods == "[]"
+    print(f"import cupylab took {float(secs) * 1e3:.1f} ms")  # shown with -s; never asserted
+
+
+def test_public_api():
+    for name in ("add", "sub", "mul", "div", "vector_add", "fused_add_mul", "NoGPUError",
+                 "CompileError"):
+        assert name in cupylab.__all__ and hasattr(cupylab, name)
+    for f in (cupylab.add, cupylab.fused_add_mul, cupylab.div):
+        assert "Returns" in f.__doc__ and "Raises" in f.__doc__
+    assert cupylab.dtypes == ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+
+
+def test_view_record_repr():
+    v = as_view(f32((2, 2)))
+    assert "float32" in repr(v) and "(2, 2)" in repr(v)
