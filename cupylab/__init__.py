@@ -8,7 +8,8 @@ arrays zero-copy, launch on the caller's current stream and return the caller's 
 """
 from ._errors import CompileError, CupylabError, NoGPUError
 from ._dtypes import ARITHMETIC as _ARITH
-from .ops.elementwise import add, div, fused_add_mul, mul, sub, vector_add
+from ._graph import Graph
+from .ops.elementwise import add, div, fused_add_mul, mul, prepare, sub, vector_add
 
 __version__ = "0.1.0"
 
@@ -16,6 +17,6 @@ __version__ = "0.1.0"
 dtypes = tuple(d.name for d in _ARITH)
 
 __all__ = [
-    "add", "sub", "mul", "div", "vector_add", "fused_add_mul",
+    "add", "sub", "mul", "div", "vector_add", "fused_add_mul", "prepare", "Graph",
     "CupylabError", "NoGPUError", "CompileError", "dtypes", "__version__",
 ]

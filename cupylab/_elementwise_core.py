@@ -332,7 +332,7 @@ def _check_out_static(name, out, shape, dt):
         raise ValueError(f"{name}: out has shape {ov.shape}, expected {shape}")
     if ov.dtype is not dt:
         raise TypeError(f"{name}: out has dtype {ov.dtype.name}, expected {dt.name}")
-    if any(s == 0 and e > 1 for s, e in zip(ov.strides, ov.shape)):
+    if any(s == 0 and e > 1 for s, e in zip(ov.strides, ov.shape)) and 0 not in ov.shape:
         raise ValueError(f"{name}: out has zero strides (a broadcast view); it cannot be written")
     return ov
 

@@ -160,14 +160,17 @@ class Kernel:
         except AttributeError:
             buf, _, params = self._buffers()
         self._struct.pack_into(buf, 0, *args)
-        _launch_kernel()(f, grid, grid_yz[0], grid_yz[1], block, block_yz[0], block_yz[1],
-                         shared_mem, stream, params, 0)
+        (_driver_launch or _launch_kernel())(f, grid, grid_yz[0], grid_yz[1], block, block_yz[0],
+                                             block_yz[1], shared_mem, stream, params, 0)
 
 
 _driver_launch = None
 
 
 def _launch_kernel():
+    """The launch function: CuPy's binding of ``cuLaunchKernel`` (``f(func, gx, gy, gz, bx,
+    by, bz, smem, stream, params, extra)``; raises on failure). Measured against a ctypes
+    call of the driver, it was the cheaper of the two (docs/perf.md)."""
     global _driver_launch
     if _driver_launch is None:
         _runtime.cupy()
@@ -175,3 +178,43 @@ def _launch_kernel():
 
         _driver_launch = driver.launchKernel
     return _driver_launch
+
+
+class PreparedLaunch:
+    """A launch whose arguments were validated and packed once (see :func:`cupylab.prepare`).
+
+    Calling it launches the kernel with the frozen arguments on the stream fixed at prepare
+    time, or on the caller's current stream looked up per call, and returns the output.
+    """
+
+    __slots__ = ("_f", "_grid", "_block", "_buf", "_params", "_params_addr", "_stream", "out",
+                 "device", "_keep")
+
+    def __init__(self, kernel, device, grid, block, args, stream, out, keep):
+        self.out = out
+        self.device = device
+        self._keep = keep  # the operands: their memory must outlive the prepared call
+        self._grid, self._block, self._stream = grid, block, stream
+        if kernel is None:  # empty work: nothing to launch
+            self._f = None
+            return
+        self._f = kernel.function(device)
+        _launch_kernel()
+        self._buf = ctypes.create_string_buffer(kernel._size)
+        kernel._struct.pack_into(self._buf, 0, *args)
+        base = ctypes.addressof(self._buf)
+        self._params = (ctypes.c_void_p * max(len(kernel._offsets), 1))(
+            *[base + o for o in kernel._offsets])
+        self._params_addr = ctypes.addressof(self._params)
+
+    def __call__(self):
+        f = self._f
+        if f is not None:
+            s = self._stream
+            if not isinstance(s, int):
+                s = s()
+            _driver_launch(f, self._grid, 1, 1, self._block, 1, 1, 0, s, self._params_addr, 0)
+        return self.out
+
+    def __repr__(self):
+        return f"<cupylab prepared launch on cuda:{self.device}, grid={self._grid}>"

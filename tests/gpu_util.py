@@ -65,8 +65,8 @@ def torch_from_host(h):
     import torch
 
     if BF16 is not None and h.dtype == BF16:
-        return torch.from_numpy(np.ascontiguousarray(h).view(np.int16)).cuda().view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(h)).cuda()
+        return torch.from_numpy(np.require(h, requirements='C').view(np.int16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(np.require(h, requirements='C')).cuda()
 
 
 def torch_to_host(t):

@@ -429,3 +429,71 @@ def test_new_process_loads_from_disk_cache(tmp_path):
     second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                             check=True).stdout.split()
     assert first == ["1", "0"] and second == ["0", "1"]
+
+
+# -- the lean path, prepared calls and the graph helper ------------------------------------
+def test_fast_path_taken_for_plain_contiguous_calls_only():
+    import cupy as cp
+
+    from cupylab.ops import _fast
+
+    x = cp.arange(1000, dtype=cp.float32)
+    assert _fast.run(0, (x, x), None, None) is not _fast.MISS
+    assert _fast.run(0, (x[::2], x[::2]), None, None) is _fast.MISS  # strided: general path
+    assert _fast.run(0, (x, x.astype(cp.float64)), None, None) is _fast.MISS  # error: general
+    torch = pytest.importorskip("torch")
+    t = torch.arange(1000.0, device="cuda")
+    r = _fast.run(4, (t, t, 2.0), None, (False, False, True))
+    assert r is not _fast.MISS and torch.equal(r, (t + t) * 2)
+    g = t.clone().requires_grad_()
+    assert _fast.run(0, (g, t), None, None) is _fast.MISS
+    assert _fast.run(0, (t, t), t[1:].clone(), None) is _fast.MISS  # bad out shape
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+def test_prepare(fw):
+    if fw == "torch":
+        pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    ha, hb = host_data(rng, (100_001,), "float32"), host_data(rng, (100_001,), "float32")
+    a, b = from_host(fw, ha), from_host(fw, hb)
+    d = empty_poisoned(fw, (100_001,), "float32")
+    call = cupylab.prepare(cupylab.fused_add_mul, a, b, 0.5, out=d)
+    assert call() is d
+    np.testing.assert_allclose(to_f64(to_host(d)), (to_f64(ha) + to_f64(hb)) * 0.5, rtol=1e-6)
+    a[...] = 1.0  # new values in the same storage are seen by the next call
+    call()
+    np.testing.assert_allclose(to_f64(to_host(d)), (1.0 + to_f64(hb)) * 0.5, rtol=1e-6)
+    c2 = cupylab.prepare(cupylab.sub, a[::2], b[::2])  # strided, allocating
+    r = c2()
+    assert r is c2.out
+    np.testing.assert_allclose(to_f64(to_host(r)), 1.0 - to_f64(hb[::2]), rtol=1e-6)
+    with pytest.raises(TypeError, match="prepare: 'sum' is not a cupylab operator"):
+        cupylab.prepare(sum, a)
+    with pytest.raises(TypeError, match=r"prepare: fused_add_mul takes 3 operands \(a, b, s\), got 2"):
+        cupylab.prepare(cupylab.fused_add_mul, a, b)
+    with pytest.raises(ValueError, match="out has shape"):
+        cupylab.prepare(cupylab.add, a, b, out=d[1:])
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+def test_graph_helper(fw):
+    if fw == "torch":
+        pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    ha, hb = host_data(rng, (4099,), "float32"), host_data(rng, (4099,), "float32")
+    a, b = from_host(fw, ha), from_host(fw, hb)
+    d = empty_poisoned(fw, (4099,), "float32")
+    cupylab.fused_add_mul(a, b, 2.0, out=d)  # warm-up
+    cupylab.add(d, a, out=d)
+    g = cupylab.Graph()
+    with g.capture():
+        cupylab.fused_add_mul(a, b, 2.0, out=d)
+        cupylab.add(d, a, out=d)
+    a[...] = 3.0
+    g.replay()
+    if fw == "torch":
+        import torch
+
+        torch.cuda.synchronize()
+    np.testing.assert_allclose(to_f64(to_host(d)), (3.0 + to_f64(hb)) * 2 + 3.0, rtol=1e-6)

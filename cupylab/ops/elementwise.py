@@ -13,9 +13,10 @@ Dispatch (the seed's "kernel choice by shape"):
 from __future__ import annotations
 
 from .. import _compile, _dtypes, _launch, _runtime
+from . import _fast
 from .._elementwise_core import broadcast_strides, c_strides, coalesce, finish_output, prepare_call
 
-__all__ = ["add", "sub", "mul", "div", "vector_add", "fused_add_mul"]
+__all__ = ["add", "sub", "mul", "div", "vector_add", "fused_add_mul", "prepare"]
 
 OPS = {"add": 0, "sub": 1, "mul": 2, "div": 3, "fused_add_mul": 4}
 MAXD = 8  # CL_MAXD in elementwise.cu
@@ -88,23 +89,52 @@ def _check_arith(opname):
 
 def _run(opname, operands, names, out, stream, allow_scalars, kernel_op=None):
     op = OPS[kernel_op or opname]
+    if stream is None:
+        r = _fast.run(op, operands, out, allow_scalars)
+        if r is not _fast.MISS:
+            return r
     c = prepare_call(opname, operands, out=out, stream=stream, names=names,
                      allow_scalars=allow_scalars, dtype_check=_check_arith(opname))
     if c.size:
-        _launch_call(op, c)
+        with _launch.ensure_device(c.device):
+            _wait_producers(c)
+            k, grid, args = plan(op, c)
+            k.launch(c.device, grid, BLOCK, c.stream, args)
     return finish_output(c.kind, c.out_obj, c.stream, c.device) if c.allocated else c.out_obj
 
 
-def _launch_call(op, c):
+def _wait_producers(c):
+    """Order the launch after producers that told us their stream (CAI v3)."""
+    for v in c.views:
+        if v is not None and v.stream is not None:
+            _launch.wait_for(c.stream, v.stream, c.device)
+
+
+def contiguous_plan(op, dt, n, ptrs):
+    """Kernel, grid and the per-call size arguments for C-contiguous operands: the 16-byte
+    vector path when every pointer has the same offset modulo 16 (``head`` elements before
+    the first boundary are peeled), else one element per access."""
+    isz = dt.itemsize
+    mod = ptrs[0] % 16
+    if mod % isz == 0 and all(p % 16 == mod for p in ptrs if p):
+        head = min(n, ((16 - mod) % 16) // isz)
+        nvec = (n - head) // (16 // isz)
+        k = _kernel(op, dt, "vec")
+    else:
+        head, nvec = 0, n
+        k = _kernel(op, dt, "scalar")
+    grid = min(max(1, -(-nvec // (BLOCK * UNROLL))), _INT32_MAX)
+    return k, grid, head
+
+
+def plan(op, c):
+    """Choose the kernel variant for a validated :class:`Call` and build its arguments.
+    Returns ``(kernel, grid, args)``."""
     dt, shape, n = c.dtype, c.shape, c.size
     views = list(c.views) + [None] * (3 - len(c.views))
     scal = list(c.scalars) + [0] * (3 - len(c.scalars))
     ptrs = [v.ptr if v is not None else 0 for v in views]
     o = c.out
-    # wait for producers that told us their stream (CAI v3)
-    for v in views:
-        if v is not None and v.stream is not None:
-            _launch.wait_for(c.stream, v.stream, c.device)
     cs = c_strides(shape)
     contiguous = o.strides == cs and all(
         v is None or (v.shape == shape and v.strides == cs) for v in views)
@@ -117,20 +147,8 @@ def _launch_call(op, c):
         contiguous = len(sh) <= 1 and all(
             st == (1,) or not st for st, v in zip(sts, [o] + views) if v is not None)
     if contiguous:
-        isz = dt.itemsize
-        mod = o.ptr % 16
-        vec = mod % isz == 0 and all(p % 16 == mod for p, v in zip(ptrs, views) if v is not None)
-        if vec:
-            head = min(n, ((16 - mod) % 16) // isz)
-            nvec = (n - head) // (16 // isz)
-            k = _kernel(op, dt, "vec")
-        else:
-            head, nvec = 0, n
-            k = _kernel(op, dt, "scalar")
-        grid = max(1, -(-nvec // (BLOCK * UNROLL)))
-        k.launch(c.device, min(grid, _INT32_MAX), BLOCK, c.stream,
-                 (o.ptr, ptrs[0], ptrs[1], ptrs[2], scal[0], scal[1], scal[2], n, head))
-        return
+        k, grid, head = contiguous_plan(op, dt, n, [o.ptr] + ptrs)
+        return k, grid, (o.ptr, ptrs[0], ptrs[1], ptrs[2], scal[0], scal[1], scal[2], n, head)
     if len(sh) > MAXD:
         raise ValueError(f"{list(OPS)[op]}: more than {MAXD} dimensions that cannot be merged "
                          f"(shape {shape}); make the arrays contiguous first")
@@ -144,7 +162,52 @@ def _launch_call(op, c):
     args += sh + pad
     for st in sts:
         args += st + pad
-    k.launch(c.device, grid, BLOCK, c.stream, args)
+    return k, grid, tuple(args)
+
+
+def prepare(fn, *args, out=None, stream=None):
+    """Validate a call once and return a :class:`PreparedCall` that replays the launch.
+
+    For hot loops over the same arrays: ``call = cupylab.prepare(cupylab.fused_add_mul, a,
+    b, s, out=d)`` then ``call()``. Everything is checked here; ``call()`` only packs nothing
+    and launches (the arguments are frozen into the call's own parameter buffer), on the
+    caller's current stream at call time (torch's for torch arrays, CuPy's otherwise) or on
+    ``stream`` if given here. The arrays must stay alive and keep their storage while the
+    prepared call is used; new values written into them are of course seen.
+
+    Parameters
+    ----------
+    fn : cupylab elementwise operator (``cupylab.add`` ...)
+    *args : its operands
+    out : GPU array, optional
+        Without it, an output is allocated once here and every ``call()`` writes it.
+    stream : optional
+        Fix the stream instead of following the current one.
+
+    Returns
+    -------
+    PreparedCall
+        ``call()`` launches and returns the output; ``call.out`` is the output.
+    """
+    spec = _PREPARABLE.get(fn)
+    if spec is None:
+        raise TypeError(f"prepare: {getattr(fn, '__name__', fn)!r} is not a cupylab operator "
+                        f"that can be prepared (these can: {', '.join(f.__name__ for f in _PREPARABLE)})")
+    opname, names, allow, kop = spec
+    if len(args) != len(names):
+        raise TypeError(f"prepare: {opname} takes {len(names)} operands ({', '.join(names)}), "
+                        f"got {len(args)}")
+    c = prepare_call(opname, args, out=out, stream=stream, names=names, allow_scalars=allow,
+                     dtype_check=_check_arith(opname))
+    result = finish_output(c.kind, c.out_obj, c.stream, c.device) if c.allocated else c.out_obj
+    if not c.size:
+        return _launch.PreparedLaunch(None, c.device, 0, BLOCK, None, None, result, args)
+    with _launch.ensure_device(c.device):
+        k, grid, kargs = plan(OPS[kop], c)
+    fixed = None if stream is None else c.stream
+    getter = (lambda d=c.device, kind=c.kind: _launch.current_stream(kind, d))
+    return _launch.PreparedLaunch(k, c.device, grid, BLOCK, kargs, fixed if fixed is not None
+                                  else getter, result, (args, c))
 
 
 _COMMON_DOC = """
@@ -311,3 +374,14 @@ def _register():
 
 
 _register()
+
+# operator -> (name, operand names, scalars allowed, kernel op): for prepare() and the fast path
+_PREPARABLE = {
+    add: ("add", ("x", "y"), None, "add"),
+    sub: ("sub", ("x", "y"), None, "sub"),
+    mul: ("mul", ("x", "y"), None, "mul"),
+    div: ("div", ("x", "y"), None, "div"),
+    vector_add: ("vector_add", ("x", "y"), (False, False), "add"),
+    fused_add_mul: ("fused_add_mul", ("a", "b", "s"), (False, False, True), "fused_add_mul"),
+}
+_fast.bind(_kernel, BLOCK, UNROLL)

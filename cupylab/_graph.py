@@ -1,0 +1,78 @@
+"""CUDA graph capture of cupylab calls, for CuPy and torch arrays alike.
+
+torch users can also use ``torch.cuda.graph`` directly and CuPy users
+``Stream.begin_capture()``: cupylab operators launch on the current stream of the array's
+framework, so they are captured like native operations. :class:`Graph` is the
+framework-neutral helper: it captures on a private non-blocking stream that it makes current
+for CuPy *and* (when torch is loaded) for torch, so every cupylab call inside is captured,
+whatever arrays it gets.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from . import _launch, _runtime
+
+__all__ = ["Graph"]
+
+
+class Graph:
+    """Record GPU work once, replay it with one launch.
+
+    Examples
+    --------
+    >>> d = torch.empty_like(a)
+    >>> cupylab.fused_add_mul(a, b, 2.0, out=d)      # warm up: compile and load first
+    >>> g = cupylab.Graph()
+    >>> with g.capture():
+    ...     cupylab.fused_add_mul(a, b, 2.0, out=d)
+    ...     cupylab.add(d, a, out=d)
+    >>> g.replay()                                  # reruns both kernels on the current data
+
+    Notes
+    -----
+    * Run each operator once before capturing: the first call compiles or loads its module,
+      which must not happen inside a capture.
+    * Inside the capture pass ``out=`` arrays allocated beforehand: neither CuPy's nor torch's
+      allocator may call ``cudaMalloc`` while a stream is capturing (use ``torch.cuda.graph``
+      if you want torch to manage graph memory).
+    * The graph reads and writes the same addresses every replay: keep the arrays alive.
+    """
+
+    def __init__(self):
+        self._graph = None
+        self._stream = None
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Context manager: everything launched inside (on the current CuPy/torch stream) is
+        recorded instead of run. The capture stream first waits for work already queued on
+        the current streams, so the graph sees the data as it is at capture time."""
+        cp = _runtime.cupy()
+        dev = cp.cuda.runtime.getDevice()
+        s = cp.cuda.Stream(non_blocking=True)
+        _launch.wait_for(s.ptr, cp.cuda.get_current_stream().ptr or 1, dev)
+        torch = sys.modules.get("torch")
+        tctx = contextlib.nullcontext()
+        if torch is not None and torch.cuda.is_initialized():
+            _launch.wait_for(s.ptr, torch._C._cuda_getCurrentRawStream(dev) or 1, dev)
+            tctx = torch.cuda.stream(torch.cuda.ExternalStream(s.ptr, device=dev))
+        with s, tctx:
+            s.begin_capture()
+            try:
+                yield self
+            finally:
+                self._graph = s.end_capture()
+        self._stream = s
+
+    def replay(self, stream=None):
+        """Launch the captured graph on ``stream`` (default: CuPy's current stream, which is
+        the same legacy default stream torch uses unless you changed either)."""
+        if self._graph is None:
+            raise RuntimeError("Graph.replay: nothing captured yet (use `with g.capture():`)")
+        cp = _runtime.cupy()
+        if stream is None:
+            self._graph.launch()
+        else:
+            self._graph.launch(cp.cuda.ExternalStream(_launch.resolve_stream(stream)))

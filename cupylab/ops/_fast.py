@@ -1,0 +1,257 @@
+"""The lean path for the most common elementwise call: every array operand a plain torch
+tensor (or every one a CuPy array), all C-contiguous, same shape, dtype and device, the
+current device, no ``stream=``; scalars as Python ``int``/``float``.
+
+It reads only what the launch needs (pointer, shape, dtype, device, contiguity, and torch's
+grad/neg flags), reuses per-(op, dtype) kernel handles, and launches. Anything unusual —
+including every error case — returns :data:`MISS` and the caller takes the general path,
+which validates fully and raises the documented errors. The two paths launch the same
+kernels with the same arguments.
+"""
+from __future__ import annotations
+
+import sys
+
+from .. import _dtypes, _runtime
+
+MISS = object()
+
+_kernel = None
+_BLOCK = 256
+_handlers: dict = {}
+_kinfo: dict = {}  # (op, framework dtype object) -> DType or None
+_get_device = None
+_torch_stream = None
+_cupy_stream = None
+_cupy_empty = None
+_torch_empty_like = None
+_VEC_PER_BLOCK = 256 * 4
+
+
+def bind(kernel_fn, block, unroll):
+    """Called once by cupylab.ops.elementwise with its kernel lookup and launch shape."""
+    global _kernel, _BLOCK, _VEC_PER_BLOCK
+    _kernel, _BLOCK, _VEC_PER_BLOCK = kernel_fn, block, block * unroll
+
+
+def _dtype(op, fdt):
+    """``(DType, vector kernel, scalar kernel)`` for an operator and a framework dtype, or
+    None when the dtype is not one the operators take (the general path explains)."""
+    key = (op, fdt)
+    try:
+        d = _dtypes.resolve(fdt)
+        info = (d, _kernel(op, d, "vec"), _kernel(op, d, "scalar")) if d.arithmetic else None
+    except TypeError:
+        info = None
+    _kinfo[key] = info
+    return info
+
+
+def _init_runtime():
+    global _get_device, _cupy_stream, _cupy_empty
+    cp = _runtime.cupy()
+    _cupy_stream = cp.cuda.get_current_stream
+    _cupy_empty = cp.empty
+    _get_device = cp.cuda.runtime.getDevice
+
+
+def _classify(tp):
+    mod = (tp.__module__ or "").split(".", 1)[0]
+    if mod == "torch":
+        torch = sys.modules.get("torch")
+        if torch is not None and tp is torch.Tensor:
+            global _torch_empty_like
+            _torch_empty_like = torch.empty_like
+            return _torch
+    if mod == "cupy":
+        cp = sys.modules.get("cupy")
+        if cp is not None and tp is cp.ndarray:
+            return _cupy
+    return _miss
+
+
+def _miss(op, operands, out, allow):
+    return MISS
+
+
+def run(op, operands, out, allow):
+    """Try the lean path; returns the result or :data:`MISS`."""
+    tp = type(operands[0])
+    h = _handlers.get(tp)
+    if h is None:
+        h = _handlers.setdefault(tp, _classify(tp))
+    return h(op, operands, out, allow)
+
+
+def _scalar(y, i, allow, dt):
+    """Kernel argument for a Python scalar operand, or None to miss (the general path then
+    raises the documented error)."""
+    ty = type(y)
+    if ty is not float and ty is not int:
+        return None
+    if (allow is not None and not allow[i]) or (ty is float and dt.kind == "i"):
+        return None
+    try:
+        return dt.scalar_bits(y)
+    except OverflowError:
+        return None
+
+
+def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
+    # alignment: the vector path when every array pointer shares its offset modulo 16
+    dt, kvec, kscal = info
+    mod = optr & 15
+    isz = dt.itemsize
+    if (mod % isz == 0 and (p0 & 15) == mod and (not p1 or (p1 & 15) == mod)
+            and (not p2 or (p2 & 15) == mod)):
+        head = ((16 - mod) & 15) // isz
+        if head > n:
+            head = n
+        nvec = (n - head) // (16 // isz)
+        k = kvec
+    else:
+        head, nvec = 0, n
+        k = kscal
+    k.launch(dev, -(-nvec // _VEC_PER_BLOCK) or 1, _BLOCK, stream,
+             (optr, p0, p1, p2, 0, s1, s2, n, head))
+
+
+def _overlaps(optr, p, nbytes):
+    return p and p != optr and -nbytes < p - optr < nbytes
+
+
+def _torch(op, operands, out, allow):
+    global _torch_stream
+    try:
+        x = operands[0]
+        fdt = x.dtype
+        info = _kinfo.get((op, fdt), 0)
+        if info == 0:
+            info = _dtype(op, fdt)
+        if info is None:
+            return MISS
+        dt = info[0]
+        tt = type(x)
+        shape = x.shape
+        dev = x.get_device()
+        if x.requires_grad or not x.is_contiguous() or x.is_neg() or dev < 0:
+            return MISS
+        n = x.numel()
+        if not n:
+            return MISS
+        p0 = x.data_ptr()
+        p1 = p2 = s1 = s2 = 0
+        y = operands[1]
+        if type(y) is tt:
+            if (y.requires_grad or y.dtype is not fdt or y.shape != shape or not y.is_contiguous()
+                    or y.is_neg() or y.get_device() != dev):
+                return MISS
+            p1 = y.data_ptr()
+        else:
+            s1 = _scalar(y, 1, allow, dt)
+            if s1 is None:
+                return MISS
+        if len(operands) == 3:
+            z = operands[2]
+            if type(z) is tt:
+                if (z.requires_grad or z.dtype is not fdt or z.shape != shape
+                        or not z.is_contiguous() or z.is_neg() or z.get_device() != dev):
+                    return MISS
+                p2 = z.data_ptr()
+            else:
+                s2 = _scalar(z, 2, allow, dt)
+                if s2 is None:
+                    return MISS
+        if _get_device is None:
+            _init_runtime()
+        if _get_device() != dev:
+            return MISS
+        if out is None:
+            o = _torch_empty_like(x)
+            optr = o.data_ptr()
+        else:
+            if (type(out) is not tt or out.requires_grad or out.dtype is not fdt
+                    or out.shape != shape or not out.is_contiguous() or out.is_neg()
+                    or out.get_device() != dev):
+                return MISS
+            optr = out.data_ptr()
+            nb = n * dt.itemsize
+            if _overlaps(optr, p0, nb) or _overlaps(optr, p1, nb) or _overlaps(optr, p2, nb):
+                return MISS
+            o = out
+        s = _torch_stream
+        if s is None:
+            s = _torch_stream = sys.modules["torch"]._C._cuda_getCurrentRawStream
+        stream = s(dev)
+    except Exception:  # noqa: BLE001 - anything odd: the general path validates and explains
+        return MISS
+    _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream)
+    return o
+
+
+def _cupy_ptr(a, fdt, shape, dev):
+    if a.dtype != fdt or a.shape != shape or not a.flags.c_contiguous:
+        return 0
+    m = a.data
+    return m.ptr if m.device_id == dev else 0
+
+
+def _cupy(op, operands, out, allow):
+    try:
+        x = operands[0]
+        fdt = x.dtype
+        info = _kinfo.get((op, fdt), 0)
+        if info == 0:
+            info = _dtype(op, fdt)
+        if info is None:
+            return MISS
+        dt = info[0]
+        tt = type(x)
+        shape = x.shape
+        n = x.size
+        if not n or not x.flags.c_contiguous:
+            return MISS
+        mem = x.data
+        dev = mem.device_id
+        p0 = mem.ptr
+        p1 = p2 = s1 = s2 = 0
+        y = operands[1]
+        if type(y) is tt:
+            p1 = _cupy_ptr(y, fdt, shape, dev)
+            if not p1:
+                return MISS
+        else:
+            s1 = _scalar(y, 1, allow, dt)
+            if s1 is None:
+                return MISS
+        if len(operands) == 3:
+            z = operands[2]
+            if type(z) is tt:
+                p2 = _cupy_ptr(z, fdt, shape, dev)
+                if not p2:
+                    return MISS
+            else:
+                s2 = _scalar(z, 2, allow, dt)
+                if s2 is None:
+                    return MISS
+        if _get_device is None:
+            _init_runtime()
+        if _get_device() != dev:
+            return MISS
+        if out is None:
+            o = _cupy_empty(shape, fdt)
+            optr = o.data.ptr
+        else:
+            if type(out) is not tt:
+                return MISS
+            optr = _cupy_ptr(out, fdt, shape, dev)
+            nb = n * dt.itemsize
+            if (not optr or _overlaps(optr, p0, nb) or _overlaps(optr, p1, nb)
+                    or _overlaps(optr, p2, nb)):
+                return MISS
+            o = out
+        stream = _cupy_stream().ptr
+    except Exception:  # noqa: BLE001
+        return MISS
+    _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream)
+    return o
