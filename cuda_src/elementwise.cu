@@ -14,9 +14,22 @@ namespace cl {
 
 enum Op { OP_ADD = 0, OP_SUB = 1, OP_MUL = 2, OP_DIV = 3, OP_ADD_MUL = 4 };
 
-// Loads in flight per thread on the vectorised path. 4 x 16 B per operand keeps enough bytes
-// outstanding per SM to cover HBM latency at 256 threads/block (see docs/perf.md).
+// 16-byte vectors per thread per grid-stride step on the vectorised path: all of a step's loads
+// are issued before the first use, so UNROLL x 16 B per operand are in flight per thread.
+// 16-bit types unpack 8 floats per vector, so they take 2 (4 would need 128 registers or
+// spill); the host computes the grid with the same rule (ops/elementwise.py: unroll_for).
+#ifndef CL_UNROLL16
+#define CL_UNROLL16 2
+#endif
+#ifndef CL_UNROLL
 #define CL_UNROLL 4
+#endif
+#ifndef CL_MIN_BLOCKS
+#define CL_MIN_BLOCKS 3
+#endif
+template <typename T> struct Unroll {
+    static constexpr int value = sizeof(T) == 2 ? CL_UNROLL16 : CL_UNROLL;
+};
 #define CL_MAXD 8
 
 template <typename T, int OP, bool INT = IsInt<T>::value>
@@ -66,8 +79,10 @@ __device__ __forceinline__ T operand(const T* p, long long i, T s) {
     return p ? p[i] : s;
 }
 
+// At least CL_MIN_BLOCKS blocks per SM: every variant then fits without spills (docs/perf.md
+// has the compiler's resource report; scripts/tune_elementwise.py times the alternatives).
 template <typename T, int OP, int V>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, CL_MIN_BLOCKS)
 ew_contig(T* out, const T* a, const T* b, const T* c, T sa, T sb, T sc, long long n, long long head) {
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     // Head: the first `head` elements, before the first 16-byte boundary of every operand.
@@ -86,13 +101,14 @@ ew_contig(T* out, const T* a, const T* b, const T* c, T sa, T sb, T sc, long lon
     const VT* vb = reinterpret_cast<const VT*>(b + head);
     const VT* vc = reinterpret_cast<const VT*>(c + head);
     VT* vo = reinterpret_cast<VT*>(out + head);
-    const long long step = (long long)gridDim.x * blockDim.x * CL_UNROLL;
-    for (long long base = (long long)blockIdx.x * blockDim.x * CL_UNROLL + threadIdx.x; base < nvec;
+    constexpr int U = Unroll<T>::value;
+    const long long step = (long long)gridDim.x * blockDim.x * U;
+    for (long long base = (long long)blockIdx.x * blockDim.x * U + threadIdx.x; base < nvec;
          base += step) {
-        VT ra[CL_UNROLL], rb[CL_UNROLL], rc[CL_UNROLL];
-        // All loads first, so CL_UNROLL * (inputs) 16-byte requests are in flight at once.
+        VT ra[U], rb[U], rc[U];
+        // All loads first, so U * (inputs) 16-byte requests are in flight at once.
 #pragma unroll
-        for (int u = 0; u < CL_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const long long j = base + (long long)u * blockDim.x;
             if (j < nvec) {
                 if (a) ra[u] = va[j]; else { for (int k = 0; k < V; ++k) ra[u].v[k] = sa; }
@@ -105,7 +121,7 @@ ew_contig(T* out, const T* a, const T* b, const T* c, T sa, T sb, T sc, long lon
             }
         }
 #pragma unroll
-        for (int u = 0; u < CL_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const long long j = base + (long long)u * blockDim.x;
             if (j < nvec) {
                 VT r;

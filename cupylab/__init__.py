@@ -9,6 +9,7 @@ arrays zero-copy, launch on the caller's current stream and return the caller's 
 from ._errors import CompileError, CupylabError, NoGPUError
 from ._dtypes import ARITHMETIC as _ARITH
 from ._graph import Graph
+from .kernels import ElementwiseKernel, Kernel, KernelModule, KernelNotFoundError, load_kernels
 from .ops.elementwise import add, div, fused_add_mul, mul, prepare, sub, vector_add
 
 __version__ = "0.1.0"
@@ -18,5 +19,6 @@ dtypes = tuple(d.name for d in _ARITH)
 
 __all__ = [
     "add", "sub", "mul", "div", "vector_add", "fused_add_mul", "prepare", "Graph",
+    "load_kernels", "KernelModule", "Kernel", "ElementwiseKernel", "KernelNotFoundError",
     "CupylabError", "NoGPUError", "CompileError", "dtypes", "__version__",
 ]

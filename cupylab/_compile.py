@@ -186,9 +186,27 @@ class Program:
             binary = nvrtc.getCUBIN(prog) if kind == "cubin" else nvrtc.getPTX(prog)
             if isinstance(binary, str):
                 binary = binary.encode()
-            return bytes(binary), mapping
+            binary = bytes(binary)
+            return (complete_elf(binary) if kind == "cubin" else binary), mapping
         finally:
             nvrtc.destroyProgram(prog)
+
+
+def complete_elf(b: bytes) -> bytes:
+    """Restore the length an ELF image declares in its own header.
+
+    CuPy's ``nvrtc.getCUBIN`` binding returns one byte less than NVRTC's cubin (the last byte
+    of the program-header table, seen with cupy 14.2 and NVRTC 12.9): the driver loads it
+    anyway, but ``nvdisasm``/``cuobjdump`` reject it. Zero-padding to the declared end gives
+    back the missing byte, which is the top byte of a segment alignment and always 0."""
+    if len(b) < 64 or b[:5] != b"\x7fELF\x02":
+        return b
+    phoff, shoff = struct.unpack_from("<QQ", b, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", b, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    if len(b) < end <= len(b) + 64:
+        b += b"\0" * (end - len(b))
+    return b
 
 
 # -- the disk cache ---------------------------------------------------------------------------

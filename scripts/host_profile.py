@@ -98,3 +98,48 @@ bench("launch e9 (9 params)", lambda: driver.launchKernel(fe["e9"], 1, 1, 1, 32,
 bench("launch e9 (extra buffer)", lambda: driver.launchKernel(fe["e9"], 1, 1, 1, 32, 1, 1, 0, 0, 0,
                                                                ctypes.addressof(extra)))
 bench("torch.cuda._sleep(0) (torch C++ launch)", lambda: torch.cuda._sleep(0))
+
+
+# -- GPU time (CUDA events, median of 9 x 20 calls) at 2^26: a first look at bandwidth -------
+def gpu_us(f, reps=9, inner=20):
+    f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(inner):
+            f()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / inner)
+    return sorted(ts)[reps // 2]
+
+
+n = 1 << 26
+big = torch.empty(1 << 28, device="cuda")
+big2 = torch.empty_like(big)
+cop = gpu_us(lambda: big2.copy_(big))
+print(f"ceiling: torch copy_ 1 GiB: {2 * big.numel() * 4 / cop / 1e3:8.0f} GB/s")
+del big, big2
+for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    a, b, s = (torch.randn(n, device="cuda").to(dt) for _ in range(3))
+    d = torch.empty_like(a)
+    isz = a.element_size()
+    rows = [("vector_add", 3, lambda: cupylab.vector_add(a, b, out=d), lambda: torch.add(a, b, out=d)),
+            ("fused_add_mul", 4, lambda: cupylab.fused_add_mul(a, b, s, out=d), lambda: torch.mul(torch.add(a, b), s, out=d)),
+            ("fused s=scalar", 3, lambda: cupylab.fused_add_mul(a, b, 0.5, out=d), lambda: torch.mul(torch.add(a, b), 0.5, out=d)),
+            ("add odd 2^26+3", 3, None, None)]
+    a3, b3 = torch.randn(n + 3, device="cuda").to(dt), torch.randn(n + 3, device="cuda").to(dt)
+    d3 = torch.empty_like(a3)
+    rows[3] = ("add offset view", 3, lambda: cupylab.add(a3[1:-2], b3[1:-2], out=d3[1:-2]),
+               lambda: torch.add(a3[1:-2], b3[1:-2], out=d3[1:-2]))
+    M = 8192
+    ra = torch.randn(M, n // M, device="cuda").to(dt)
+    rb = torch.randn(n // M, device="cuda").to(dt)
+    rd = torch.empty_like(ra)
+    rows.append(("add row-broadcast", 2, lambda: cupylab.add(ra, rb, out=rd), lambda: torch.add(ra, rb, out=rd)))
+    for name, nbytes_per, f_cl, f_t in rows:
+        tc, tt = gpu_us(f_cl), gpu_us(f_t)
+        gb = nbytes_per * n * isz / tc / 1e3
+        print(f"{name:18s} {str(dt):15s} cupylab {tc:8.1f} us {gb:7.0f} GB/s | torch {tt:8.1f} us | torch/cupylab {tt / tc:5.2f}")

@@ -25,13 +25,13 @@ _torch_stream = None
 _cupy_stream = None
 _cupy_empty = None
 _torch_empty_like = None
-_VEC_PER_BLOCK = 256 * 4
+_vectors_per_block = None
 
 
-def bind(kernel_fn, block, unroll):
+def bind(kernel_fn, block, vectors_per_block):
     """Called once by cupylab.ops.elementwise with its kernel lookup and launch shape."""
-    global _kernel, _BLOCK, _VEC_PER_BLOCK
-    _kernel, _BLOCK, _VEC_PER_BLOCK = kernel_fn, block, block * unroll
+    global _kernel, _BLOCK, _vectors_per_block
+    _kernel, _BLOCK, _vectors_per_block = kernel_fn, block, vectors_per_block
 
 
 def _dtype(op, fdt):
@@ -40,7 +40,8 @@ def _dtype(op, fdt):
     key = (op, fdt)
     try:
         d = _dtypes.resolve(fdt)
-        info = (d, _kernel(op, d, "vec"), _kernel(op, d, "scalar")) if d.arithmetic else None
+        info = ((d, _kernel(op, d, "vec"), _kernel(op, d, "scalar"), _vectors_per_block(d))
+                if d.arithmetic else None)
     except TypeError:
         info = None
     _kinfo[key] = info
@@ -99,7 +100,7 @@ def _scalar(y, i, allow, dt):
 
 def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
     # alignment: the vector path when every array pointer shares its offset modulo 16
-    dt, kvec, kscal = info
+    dt, kvec, kscal, per_block = info
     mod = optr & 15
     isz = dt.itemsize
     if (mod % isz == 0 and (p0 & 15) == mod and (not p1 or (p1 & 15) == mod)
@@ -112,7 +113,7 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
     else:
         head, nvec = 0, n
         k = kscal
-    k.launch(dev, -(-nvec // _VEC_PER_BLOCK) or 1, _BLOCK, stream,
+    k.launch(dev, -(-nvec // per_block) or 1, _BLOCK, stream,
              (optr, p0, p1, p2, 0, s1, s2, n, head))
 
 

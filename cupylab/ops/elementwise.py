@@ -21,7 +21,10 @@ __all__ = ["add", "sub", "mul", "div", "vector_add", "fused_add_mul", "prepare"]
 OPS = {"add": 0, "sub": 1, "mul": 2, "div": 3, "fused_add_mul": 4}
 MAXD = 8  # CL_MAXD in elementwise.cu
 BLOCK = 256  # threads per block (__launch_bounds__ in the kernels)
-UNROLL = 4  # CL_UNROLL: vectors per thread per grid-stride step
+# Vectorised-path shape, passed to the kernels as -D options (the one source of truth):
+UNROLL = 4  # 16-byte vectors per thread per grid-stride step (4- and 8-byte types)
+UNROLL16 = 2  # the same for 16-bit types (4 would spill: docs/perf.md)
+MIN_BLOCKS = 3  # __launch_bounds__ minimum blocks per SM
 STRIDED_WAVES = 16  # strided grid: blocks per SM before threads loop (grid-stride)
 _INT32_MAX = 2**31 - 1
 
@@ -31,6 +34,11 @@ _kernels: dict = {}
 
 def vector_width(dt) -> int:
     return 16 // dt.itemsize
+
+
+def vectors_per_block(dt) -> int:
+    """16-byte vectors one block covers per grid-stride step (sizes the grid)."""
+    return BLOCK * (UNROLL16 if dt.itemsize == 2 else UNROLL)
 
 
 def name_expressions(dt):
@@ -49,7 +57,9 @@ def program(dt) -> _compile.Program:
     p = _programs.get(dt.name)
     if p is None:
         p = _programs.setdefault(dt.name, _compile.Program.from_file(
-            _compile.cuda_src_dir() / "elementwise.cu", name_expressions(dt)))
+            _compile.cuda_src_dir() / "elementwise.cu", name_expressions(dt),
+            options=(f"-DCL_UNROLL={UNROLL}", f"-DCL_UNROLL16={UNROLL16}",
+                     f"-DCL_MIN_BLOCKS={MIN_BLOCKS}")))
     return p
 
 
@@ -123,7 +133,7 @@ def contiguous_plan(op, dt, n, ptrs):
     else:
         head, nvec = 0, n
         k = _kernel(op, dt, "scalar")
-    grid = min(max(1, -(-nvec // (BLOCK * UNROLL))), _INT32_MAX)
+    grid = min(max(1, -(-nvec // vectors_per_block(dt))), _INT32_MAX)
     return k, grid, head
 
 
@@ -332,7 +342,20 @@ def _register():
 
     dtypes = tuple(d.name for d in _dtypes.ARITHMETIC)
 
+    def _is_int(x):
+        return str(getattr(x, "dtype", "")).split(".")[-1].startswith("int")
+
     def binary_peers(torch_name, cupy_name, jax_name):
+        if torch_name == "div":  # cupylab's integer div is floor division: compare like with like
+            return {
+                "torch": lambda torch, x, y: (
+                    (lambda: torch.div(x, y, rounding_mode="floor")) if _is_int(x)
+                    else (lambda: torch.div(x, y))),
+                "torch.compile": None,
+                "cupy": lambda cp, x, y: (lambda: (cp.floor_divide if _is_int(x) else cp.divide)(x, y)),
+                "jax": lambda jax, x, y: (
+                    lambda f=jax.jit(jax.numpy.floor_divide if _is_int(x) else jax.numpy.divide): f(x, y)),
+            }
         return {
             "torch": lambda torch, x, y: (lambda: getattr(torch, torch_name)(x, y)),
             "torch.compile": None,  # one kernel already: nothing for Inductor to fuse
@@ -384,4 +407,4 @@ _PREPARABLE = {
     vector_add: ("vector_add", ("x", "y"), (False, False), "add"),
     fused_add_mul: ("fused_add_mul", ("a", "b", "s"), (False, False, True), "fused_add_mul"),
 }
-_fast.bind(_kernel, BLOCK, UNROLL)
+_fast.bind(_kernel, BLOCK, vectors_per_block)

@@ -1,0 +1,257 @@
+"""Host cost per call with tiny inputs, cupylab beside the peers.
+
+Each row times two callables on 1024-element float32 inputs: ``calls`` back-to-back calls,
+then a device synchronize, by wall clock, after a warm-up; ``rounds`` rounds, cupylab and the
+peer alternating, median reported. At this size the GPU work is far shorter than the host's,
+so the time per call is what the host spends issuing it.
+
+Rows, for torch and for CuPy inputs (whichever are usable):
+
+* ``add(x, y, out=z)`` against ``torch.add(x, y, out=z)`` / ``cupy.add(x, y, out=z)``;
+* ``add(x, y)`` (allocating) against ``x + y``;
+* ``fused_add_mul(a, b, s, out=d)`` against the registered peer (torch ``(a + b) * s``, the
+  CuPy ElementwiseKernel);
+* ``cupylab.prepare(fused_add_mul, a, b, s, out=d)()`` when cupylab has ``prepare``;
+* one ``add(out=)`` replayed inside a CUDA graph of 100 (captured with torch.cuda.CUDAGraph
+  for torch inputs, CuPy stream capture for CuPy inputs), against the framework's own add
+  captured the same way: µs per add;
+* the same 100 adds captured with cupylab's own helper when it has one (``cupylab.Graph``:
+  ``with g.capture(): ...`` then ``g.replay()``), against the framework's graph.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+__all__ = ["measure", "N", "GRAPH_OPS"]
+
+#: Elements of the tiny inputs.
+N = 1024
+#: Operations captured per CUDA graph.
+GRAPH_OPS = 100
+#: Warm-up calls before timing.
+WARMUP = 200
+
+
+def _row(inputs, case, make_cl, peer, make_peer, per=1):
+    return {"inputs": inputs, "case": case, "make_cl": make_cl, "peer": peer,
+            "make_peer": make_peer, "per": per}
+
+
+def _torch_graph(torch, fn, count=GRAPH_OPS):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(count):
+            fn()
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def _cupy_graph(cp, fn, count=GRAPH_OPS):
+    for _ in range(3):
+        fn()
+    cp.cuda.runtime.deviceSynchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        try:
+            for _ in range(count):
+                fn()
+        finally:
+            g = s.end_capture()
+    return g.launch
+
+
+def _cupylab_graph(cupylab, fn, sync, count=GRAPH_OPS):
+    """Replay function of ``count`` calls of ``fn`` captured with cupylab's graph helper:
+    ``cupylab.Graph`` (``with g.capture(): ...``, ``g.replay()``), else a ``cupylab.graph(fn)``
+    function returning a callable or an object with ``replay()`` / ``launch()``."""
+    for _ in range(3):
+        fn()
+    sync()
+    if hasattr(cupylab, "Graph"):
+        g = cupylab.Graph()
+        with g.capture():
+            for _ in range(count):
+                fn()
+        return g.replay
+
+    def body():
+        for _ in range(count):
+            fn()
+
+    g = cupylab.graph(body)
+    for attr in ("replay", "launch"):
+        f = getattr(g, attr, None)
+        if callable(f):
+            return f
+    if callable(g):
+        return g
+    raise TypeError(f"cupylab.graph(fn) returned a {type(g).__name__} with no replay()/launch()")
+
+
+def _has_graph(cupylab):
+    return hasattr(cupylab, "Graph") or hasattr(cupylab, "graph")
+
+
+def _torch_rows(torch, cupylab):
+    from .._registry import OPS  # noqa: PLC0415
+
+    x, y, z, a, b, s, d = (torch.rand(N, device="cuda") + 0.5 for _ in range(7))
+    fam = OPS["fused_add_mul"].peers.get("torch") if "fused_add_mul" in OPS else None
+    rows = [
+        _row("torch", "add(x, y, out=z)", lambda: lambda: cupylab.add(x, y, out=z),
+             "torch.add(x, y, out=z)", lambda: lambda: torch.add(x, y, out=z)),
+        _row("torch", "add(x, y)", lambda: lambda: cupylab.add(x, y),
+             "x + y", lambda: lambda: x + y),
+        _row("torch", "fused_add_mul(a, b, s, out=d)",
+             lambda: lambda: cupylab.fused_add_mul(a, b, s, out=d),
+             "(a + b) * s",
+             (lambda: fam(torch, a, b, s)) if fam else (lambda: lambda: (a + b) * s)),
+    ]
+    if hasattr(cupylab, "prepare"):
+        rows.append(_row("torch", "prepare(fused_add_mul, a, b, s, out=d)()",
+                         lambda: cupylab.prepare(cupylab.fused_add_mul, a, b, s, out=d),
+                         "(a + b) * s", lambda: lambda: (a + b) * s))
+    rows.append(_row("torch", f"add(out=) in a torch CUDA graph of {GRAPH_OPS}, per add",
+                     lambda: _torch_graph(torch, lambda: cupylab.add(x, y, out=z)),
+                     f"torch.add(out=) in a torch CUDA graph of {GRAPH_OPS}",
+                     lambda: _torch_graph(torch, lambda: torch.add(x, y, out=z)), GRAPH_OPS))
+    if _has_graph(cupylab):
+        rows.append(_row("torch", f"add(out=) in a cupylab.Graph of {GRAPH_OPS}, per add",
+                         lambda: _cupylab_graph(cupylab, lambda: cupylab.add(x, y, out=z),
+                                                torch.cuda.synchronize),
+                         f"torch.add(out=) in a torch CUDA graph of {GRAPH_OPS}",
+                         lambda: _torch_graph(torch, lambda: torch.add(x, y, out=z)), GRAPH_OPS))
+    return rows
+
+
+def _cupy_rows(cp, cupylab):
+    from .._registry import OPS  # noqa: PLC0415
+
+    x, y, z, a, b, s, d = (cp.random.random(N, dtype=cp.float32) + 0.5 for _ in range(7))
+    fam = OPS["fused_add_mul"].peers.get("cupy") if "fused_add_mul" in OPS else None
+    rows = [
+        _row("cupy", "add(x, y, out=z)", lambda: lambda: cupylab.add(x, y, out=z),
+             "cupy.add(x, y, out=z)", lambda: lambda: cp.add(x, y, out=z)),
+        _row("cupy", "add(x, y)", lambda: lambda: cupylab.add(x, y),
+             "x + y", lambda: lambda: x + y),
+        _row("cupy", "fused_add_mul(a, b, s, out=d)",
+             lambda: lambda: cupylab.fused_add_mul(a, b, s, out=d),
+             "ElementwiseKernel (a + b) * s" if fam else "(a + b) * s",
+             (lambda: fam(cp, a, b, s)) if fam else (lambda: lambda: (a + b) * s)),
+    ]
+    if hasattr(cupylab, "prepare"):
+        rows.append(_row("cupy", "prepare(fused_add_mul, a, b, s, out=d)()",
+                         lambda: cupylab.prepare(cupylab.fused_add_mul, a, b, s, out=d),
+                         "(a + b) * s", lambda: lambda: (a + b) * s))
+    rows.append(_row("cupy", f"add(out=) in a CuPy CUDA graph of {GRAPH_OPS}, per add",
+                     lambda: _cupy_graph(cp, lambda: cupylab.add(x, y, out=z)),
+                     f"cupy.add(out=) in a CuPy CUDA graph of {GRAPH_OPS}",
+                     lambda: _cupy_graph(cp, lambda: cp.add(x, y, out=z)), GRAPH_OPS))
+    if _has_graph(cupylab):
+        rows.append(_row("cupy", f"add(out=) in a cupylab.Graph of {GRAPH_OPS}, per add",
+                         lambda: _cupylab_graph(cupylab, lambda: cupylab.add(x, y, out=z),
+                                                cp.cuda.runtime.deviceSynchronize),
+                         f"cupy.add(out=) in a CuPy CUDA graph of {GRAPH_OPS}",
+                         lambda: _cupy_graph(cp, lambda: cp.add(x, y, out=z)), GRAPH_OPS))
+    return rows
+
+
+def _err(e):
+    return f"{type(e).__name__}: {str(e).strip() or repr(e)}"
+
+
+def _time_row(row, calls, rounds, sync):
+    reps = max(1, calls // row["per"])
+    fns, errs = {}, {}
+    for side in ("cl", "peer"):
+        try:
+            f = row["make_" + side]()
+            for _ in range(max(3, WARMUP // row["per"])):
+                f()
+            sync()
+            fns[side] = f
+        except Exception as e:  # noqa: BLE001 - the row reports it
+            errs[side] = _err(e)
+            try:
+                sync()
+            except Exception:  # noqa: BLE001
+                pass
+    times = {side: [] for side in fns}
+    for _ in range(max(1, rounds)):
+        for side, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                f()
+            sync()
+            times[side].append((time.perf_counter() - t0) * 1e6 / (reps * row["per"]))
+    out = {"inputs": row["inputs"], "case": row["case"], "peer": row["peer"],
+           "cupylab_us": None, "cupylab_min": None, "cupylab_max": None,
+           "peer_us": None, "ratio": None, "error": errs.get("cl"), "peer_error": errs.get("peer"),
+           "calls": reps * row["per"], "rounds": max(1, rounds), "per": row["per"]}
+    for side, key in (("cl", "cupylab"), ("peer", "peer")):
+        t = times.get(side)
+        if t:
+            out[f"{key}_us"] = statistics.median(t)
+            if side == "cl":
+                out["cupylab_min"], out["cupylab_max"] = min(t), max(t)
+    if out["cupylab_us"] and out["peer_us"]:
+        out["ratio"] = out["peer_us"] / out["cupylab_us"]
+    return out
+
+
+def measure(cp, frameworks=("torch", "cupy"), calls=3000, rounds=5, progress=None) -> list:
+    """Host cost per call, one record per row.
+
+    Parameters
+    ----------
+    cp : module
+        CuPy with a usable GPU.
+    frameworks : sequence of str
+        Input frameworks to measure (``"torch"``, ``"cupy"``); unusable ones are reported as
+        one row with ``error`` set.
+    calls : int
+        Back-to-back calls per round (graph rows: replays of ``calls / 100``).
+    rounds : int
+        Rounds per callable (cupylab and peer alternate).
+    progress : callable(str), optional
+        Called with a label before each row.
+
+    Returns
+    -------
+    list of dict
+        ``inputs``, ``case``, ``cupylab_us`` (median), ``cupylab_min``/``cupylab_max`` (the
+        fastest and slowest round), ``peer``, ``peer_us``, ``ratio`` (peer / cupylab),
+        ``error``, ``peer_error``, ``calls``, ``rounds``, ``per`` (operations per timed call).
+    """
+    import cupylab  # noqa: PLC0415
+
+    from . import _frameworks  # noqa: PLC0415
+
+    def sync():
+        cp.cuda.runtime.deviceSynchronize()
+
+    out = []
+    for fw in frameworks:
+        try:
+            mod = _frameworks.load(fw)
+            rows = _torch_rows(mod, cupylab) if fw == "torch" else _cupy_rows(mod, cupylab)
+        except Exception as e:  # noqa: BLE001 - Unavailable, or making the inputs failed
+            out.append({"inputs": fw, "case": "(inputs)", "peer": None, "cupylab_us": None,
+                        "cupylab_min": None, "cupylab_max": None, "peer_us": None,
+                        "ratio": None, "error": str(e) if isinstance(e, _frameworks.Unavailable)
+                        else _err(e), "peer_error": None, "calls": 0, "rounds": 0, "per": 1})
+            continue
+        for row in rows:
+            if progress is not None:
+                progress(f"{fw}: {row['case']}")
+            out.append(_time_row(row, calls, rounds, sync))
+    return out
