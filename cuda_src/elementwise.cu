@@ -5,6 +5,8 @@
 //   ew_contig<T, OP, V>    all operands contiguous 1-D. V elements per access: V * sizeof(T) == 16
 //                          for the vectorised path (head and tail peeled so the body is aligned),
 //                          V == 1 when the operands' alignments differ.
+//   ew_rows<T, OP>         2-D: rows of 16-byte vectors, each operand a row slice, a row
+//                          broadcast or a column broadcast (NumPy's bias-add shapes)
 //   ew_strided<T, OP, I>   any strides (negative, zero = broadcast), up to MAXD dims after the
 //                          host has merged what it can; I = int or long long index arithmetic.
 // An input pointer of nullptr means "this operand is the scalar sX" (a Python number).
@@ -16,16 +18,16 @@ enum Op { OP_ADD = 0, OP_SUB = 1, OP_MUL = 2, OP_DIV = 3, OP_ADD_MUL = 4 };
 
 // 16-byte vectors per thread per grid-stride step on the vectorised path: all of a step's loads
 // are issued before the first use, so UNROLL x 16 B per operand are in flight per thread.
-// 16-bit types unpack 8 floats per vector, so they take 2 (4 would need 128 registers or
-// spill); the host computes the grid with the same rule (ops/elementwise.py: unroll_for).
+// The host passes the values it sizes the grid with (-D options from ops/elementwise.py, which
+// also says why they are what they are); these defaults match.
 #ifndef CL_UNROLL16
-#define CL_UNROLL16 2
+#define CL_UNROLL16 1
 #endif
 #ifndef CL_UNROLL
-#define CL_UNROLL 4
+#define CL_UNROLL 1
 #endif
 #ifndef CL_MIN_BLOCKS
-#define CL_MIN_BLOCKS 3
+#define CL_MIN_BLOCKS 1
 #endif
 template <typename T> struct Unroll {
     static constexpr int value = sizeof(T) == 2 ? CL_UNROLL16 : CL_UNROLL;
@@ -129,6 +131,47 @@ ew_contig(T* out, const T* a, const T* b, const T* c, T sa, T sb, T sc, long lon
                 for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra[u].v[k], rb[u].v[k], rc[u].v[k]);
                 vo[j] = r;
             }
+        }
+    }
+}
+
+// Rows: a 2-D view (rows x cols) in which every array operand's inner stride is 1 (a row slice)
+// or 0 (one value per row: a column broadcast), rows at any outer stride (0: a row broadcast).
+// cols is a multiple of V and every row start is 16-byte aligned, so the inner dimension uses
+// 16-byte vectors; a 2-D grid (x over the row, y over rows) needs no index division.
+// `inner` has bit k set when operand k (a, b, c) has inner stride 1.
+template <typename T>
+__device__ __forceinline__ void load_row_vec(Vec<T, 16 / sizeof(T)>& r, const T* p, long long row,
+                                             long long stride, long long col, bool inner, T s) {
+    constexpr int V = 16 / sizeof(T);
+    if (!p) {
+        for (int k = 0; k < V; ++k) r.v[k] = s;
+    } else if (inner) {
+        r = *reinterpret_cast<const Vec<T, V>*>(p + row * stride + col);
+    } else {
+        const T x = p[row * stride];
+        for (int k = 0; k < V; ++k) r.v[k] = x;
+    }
+}
+
+template <typename T, int OP>
+__global__ void __launch_bounds__(256)
+ew_rows(T* out, const T* a, const T* b, const T* c, T sa, T sb, T sc, long long rows,
+        long long cols, long long so, long long s_a, long long s_b, long long s_c, int inner) {
+    constexpr int V = 16 / sizeof(T);
+    typedef Vec<T, V> VT;
+    const long long cvec = cols / V;
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < cvec;
+             j += (long long)gridDim.x * blockDim.x) {
+            VT ra, rb, rc, ro;
+            load_row_vec(ra, a, r, s_a, j * V, inner & 1, sa);
+            load_row_vec(rb, b, r, s_b, j * V, inner & 2, sb);
+            if (OP == OP_ADD_MUL) load_row_vec(rc, c, r, s_c, j * V, inner & 4, sc);
+            else rc = ra;
+#pragma unroll
+            for (int k = 0; k < V; ++k) ro.v[k] = apply<T, OP>(ra.v[k], rb.v[k], rc.v[k]);
+            *reinterpret_cast<VT*>(out + r * so + j * V) = ro;
         }
     }
 }

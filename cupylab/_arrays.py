@@ -382,12 +382,21 @@ def _classify(tp):
 
 
 def framework_of(obj):
-    """The adapter for ``type(obj)`` or ``None`` when it is not a GPU-array type."""
+    """The adapter for ``obj`` (cached per type) or ``None`` when it is not a GPU array.
+
+    A type whose instances carry the protocol as an instance attribute (``self.__cuda_array_
+    interface__ = {...}``) is recognised per object, uncached."""
     tp = type(obj)
     try:
-        return _ADAPTERS[tp]
+        fn = _ADAPTERS[tp]
     except KeyError:
-        return _ADAPTERS.setdefault(tp, _classify(tp))
+        fn = _ADAPTERS.setdefault(tp, _classify(tp))
+    if fn is None and tp.__module__.split(".", 1)[0] != "numpy":
+        if hasattr(obj, "__cuda_array_interface__"):
+            return _from_cai
+        if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+            return _from_dlpack
+    return fn
 
 
 def is_array(obj) -> bool:
@@ -417,9 +426,7 @@ def as_view(obj, what="array", stream=None) -> View:
         Byte strides that are not a multiple of the item size, misaligned pointers, CAI
         stream 0.
     """
-    fn = _ADAPTERS.get(type(obj))
+    fn = _ADAPTERS.get(type(obj)) or framework_of(obj)
     if fn is None:
-        fn = framework_of(obj)
-        if fn is None:
-            raise _host_error(what, obj)
+        raise _host_error(what, obj)
     return fn(obj, what, stream)

@@ -199,7 +199,7 @@ def test_every_kernel_instance_compiles(cc, tmp_path, monkeypatch):
         assert kind == "cubin" and binary[:4] == b"\x7fELF"
         assert set(mapping) == set(prog.name_expressions)
         n += len(mapping)
-    assert n == 6 * 5 * 4  # dtypes x ops x variants
+    assert n == 6 * 5 * 5  # dtypes x ops x variants
 
 
 # -- the wheel ships the .cu sources and finds them once installed --------------------------

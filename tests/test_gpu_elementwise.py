@@ -52,13 +52,22 @@ def _base_and_view(case, n_in):
     if case == "transposed":
         return [(8, 9, 10)] * n_in, lambda xs: [x.transpose(2, 0, 1) if hasattr(x, "transpose")
                                                 and x.ndim == 3 else x for x in xs]
+    if case == "rows_bias":  # vectorised row kernel: row and column broadcasts
+        shapes = [(300, 256), (256,), (300, 1)][:n_in]
+        return shapes, lambda xs: xs
+    if case == "rows_slice":  # vectorised row kernel: row slices of a wider array
+        return [(64, 160)] * n_in, lambda xs: [x[:, 8:136] for x in xs]
+    if case == "bcast_one":  # a one-element array broadcast along a vector
+        shapes = [(5000,), (1,), (5000,)][:n_in]
+        return shapes, lambda xs: xs
     if case == "negative":
         return [(5001,)] * n_in, lambda xs: [x[::-1] for x in xs]
     raise KeyError(case)
 
 
 CASES = ["empty", "empty2d", "zero_d", "one", "odd_large", "odd_small", "matrix", "noncontig",
-         "offset", "mixed_offsets", "broadcast", "row_broadcast", "transposed", "negative"]
+         "offset", "mixed_offsets", "broadcast", "row_broadcast", "transposed", "negative",
+         "rows_bias", "rows_slice", "bcast_one"]
 
 
 def _run_case(fw, op, dtype, case, use_out, scalar_s=False):
@@ -111,7 +120,8 @@ def test_cupy_every_op_dtype_shape(op, dtype, case):
 
 
 TORCH_CASES = ["empty", "zero_d", "one", "odd_large", "matrix", "noncontig", "offset",
-               "mixed_offsets", "broadcast", "row_broadcast", "transposed"]
+               "mixed_offsets", "broadcast", "row_broadcast", "transposed", "rows_bias",
+               "rows_slice", "bcast_one"]
 
 
 @pytest.mark.parametrize("case", TORCH_CASES)
@@ -432,6 +442,23 @@ def test_new_process_loads_from_disk_cache(tmp_path):
 
 
 # -- the lean path, prepared calls and the graph helper ------------------------------------
+def test_rows_kernel_chosen_for_bias_shapes():
+    import cupy as cp
+
+    from cupylab._elementwise_core import prepare_call
+    from cupylab.ops import elementwise as ew
+
+    x = cp.ones((300, 256), cp.float32)
+    for other in (cp.ones(256, cp.float32), cp.ones((300, 1), cp.float32), x[:, :], 2.0):
+        c = prepare_call("add", (x, other), names=("x", "y"))
+        k, grid, _ = ew.plan(0, c) if not isinstance(other, float) else (None, None, None)
+        if k is not None and other is not x:
+            assert "ew_rows" in k.name_expression and isinstance(grid, tuple)
+    y = cp.ones((300, 257), cp.float32)  # odd rows: not vectorisable, the strided kernel
+    c = prepare_call("add", (y, cp.ones(257, cp.float32)), names=("x", "y"))
+    assert "ew_strided" in ew.plan(0, c)[0].name_expression
+
+
 def test_fast_path_taken_for_plain_contiguous_calls_only():
     import cupy as cp
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from .. import _dtypes, _runtime
+from .. import _launch as _launch_mod
 
 MISS = object()
 
@@ -113,8 +114,15 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
     else:
         head, nvec = 0, n
         k = kscal
-    k.launch(dev, -(-nvec // per_block) or 1, _BLOCK, stream,
-             (optr, p0, p1, p2, 0, s1, s2, n, head))
+    # Kernel.launch, inlined: this is the per-call hot path
+    f = k._fns.get(dev) or k.function(dev)
+    try:
+        buf, _, params = k._tls.bp
+    except AttributeError:
+        buf, _, params = k._buffers()
+    k._struct.pack_into(buf, 0, optr, p0, p1, p2, 0, s1, s2, n, head)
+    (_launch_mod._driver_launch or _launch_mod._launch_kernel())(
+        f, -(-nvec // per_block) or 1, 1, 1, _BLOCK, 1, 1, 0, stream, params, 0)
 
 
 def _overlaps(optr, p, nbytes):

@@ -22,9 +22,12 @@ OPS = {"add": 0, "sub": 1, "mul": 2, "div": 3, "fused_add_mul": 4}
 MAXD = 8  # CL_MAXD in elementwise.cu
 BLOCK = 256  # threads per block (__launch_bounds__ in the kernels)
 # Vectorised-path shape, passed to the kernels as -D options (the one source of truth):
-UNROLL = 4  # 16-byte vectors per thread per grid-stride step (4- and 8-byte types)
-UNROLL16 = 2  # the same for 16-bit types (4 would spill: docs/perf.md)
-MIN_BLOCKS = 3  # __launch_bounds__ minimum blocks per SM
+# scripts/tune_elementwise.py on the H200 (docs/perf.md): one vector per thread is best for 16-bit
+# types (unroll 2/4 lost 6%/13% at 2^26) and as good as 2-8 for wider types, and it gives the
+# most blocks to medium (L2-resident) sizes.
+UNROLL = 1  # 16-byte vectors per thread per grid-stride step (4- and 8-byte types)
+UNROLL16 = 1  # the same for 16-bit types
+MIN_BLOCKS = 1  # __launch_bounds__ minimum blocks per SM (no effect measured at unroll 1)
 STRIDED_WAVES = 16  # strided grid: blocks per SM before threads loop (grid-stride)
 _INT32_MAX = 2**31 - 1
 
@@ -48,6 +51,7 @@ def name_expressions(dt):
     for op in OPS.values():
         names += [f"cl::ew_contig<{dt.ctype}, {op}, {vector_width(dt)}>",
                   f"cl::ew_contig<{dt.ctype}, {op}, 1>",
+                  f"cl::ew_rows<{dt.ctype}, {op}>",
                   f"cl::ew_strided<{dt.ctype}, {op}, int>",
                   f"cl::ew_strided<{dt.ctype}, {op}, long long>"]
     return names
@@ -77,6 +81,9 @@ def _kernel(op, dt, variant):
             name, fmts = f"cl::ew_contig<{dt.ctype}, {op}, {vector_width(dt)}>", None
         elif variant == "scalar":
             name, fmts = f"cl::ew_contig<{dt.ctype}, {op}, 1>", None
+        elif variant == "rows":
+            name = f"cl::ew_rows<{dt.ctype}, {op}>"
+            fmts = ["Q", "Q", "Q", "Q", t, t, t, "q", "q", "q", "q", "q", "q", "i"]
         else:
             it = "int" if variant == "strided32" else "long long"
             name = f"cl::ew_strided<{dt.ctype}, {op}, {it}>"
@@ -109,7 +116,10 @@ def _run(opname, operands, names, out, stream, allow_scalars, kernel_op=None):
         with _launch.ensure_device(c.device):
             _wait_producers(c)
             k, grid, args = plan(op, c)
-            k.launch(c.device, grid, BLOCK, c.stream, args)
+            if type(grid) is tuple:
+                k.launch(c.device, grid[0], BLOCK, c.stream, args, grid_yz=(grid[1], 1))
+            else:
+                k.launch(c.device, grid, BLOCK, c.stream, args)
     return finish_output(c.kind, c.out_obj, c.stream, c.device) if c.allocated else c.out_obj
 
 
@@ -159,6 +169,11 @@ def plan(op, c):
     if contiguous:
         k, grid, head = contiguous_plan(op, dt, n, [o.ptr] + ptrs)
         return k, grid, (o.ptr, ptrs[0], ptrs[1], ptrs[2], scal[0], scal[1], scal[2], n, head)
+    head_args = (o.ptr, ptrs[0], ptrs[1], ptrs[2], scal[0], scal[1], scal[2])
+    r = _rows_plan(op, dt, sh, sts, [o] + views)
+    if r is not None:
+        k, grid, tail_args = r
+        return k, grid, head_args + tail_args
     if len(sh) > MAXD:
         raise ValueError(f"{list(OPS)[op]}: more than {MAXD} dimensions that cannot be merged "
                          f"(shape {shape}); make the arrays contiguous first")
@@ -173,6 +188,40 @@ def plan(op, c):
     for st in sts:
         args += st + pad
     return k, grid, tuple(args)
+
+
+ROWS_MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; the kernel loops over further rows
+
+
+def _rows_plan(op, dt, sh, sts, views):
+    """The 16-byte row kernel when the merged view is 1-D or 2-D, every array operand's inner
+    stride is 1 or 0 (the output's 1), the row length is a multiple of the vector width, every
+    row start is 16-byte aligned and rows are long enough to fill a warp with vectors.
+    Returns ``(kernel, (grid_x, grid_y), tail args)`` or None."""
+    if len(sh) == 1:
+        sh, sts = (1,) + sh, [(0,) + st for st in sts]
+    if len(sh) != 2:
+        return None
+    rows, cols = sh
+    V = 16 // dt.itemsize
+    if cols % V or cols // V < 32 or sts[0][1] != 1:
+        return None
+    isz = dt.itemsize
+    inner = 0
+    for i, (st, v) in enumerate(zip(sts, views)):
+        if v is None:
+            continue
+        if st[1] not in (0, 1):
+            return None
+        if st[1] == 1:
+            if v.ptr % 16 or (st[0] * isz) % 16:
+                return None
+            if i:
+                inner |= 1 << (i - 1)
+    cvec = cols // V
+    grid = (min(-(-cvec // BLOCK), _INT32_MAX), min(rows, ROWS_MAX_GRID_Y))
+    return (_kernel(op, dt, "rows"), grid,
+            (rows, cols, sts[0][0], sts[1][0], sts[2][0], sts[3][0], inner))
 
 
 def prepare(fn, *args, out=None, stream=None):
