@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for a GPU machine with no network, from a plain checkout:
 #   1. the full test suite (CPU and GPU tests),
-#   2. compute-sanitizer memcheck and racecheck over the GPU elementwise tests,
-#   3. the short benchmark (cupylab-bench), then a summary.
-# Usage: scripts/gpu_check.sh [OUTDIR]   (logs and results go to OUTDIR, default ./out)
+#   2. compute-sanitizer memcheck over the GPU kernel tests, racecheck over a subset,
+#   3. the short benchmark (cupylab-bench: vector_add and fused_add_mul at 2^26, fp32 and bf16,
+#      beside torch) and the host-overhead table,
+# then a summary. Usage: scripts/gpu_check.sh [OUTDIR]   (logs go to OUTDIR, default ./out)
+# STEPS (default "tests sanitizer bench") picks steps; PYTEST_ARGS adds pytest arguments.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-out}
@@ -11,30 +13,43 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$PWD/$OUT/kernel-cache}
 PY=${PYTHON:-python3}
+STEPS=${STEPS:-tests sanitizer bench}
 summary=()
+has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 
-$PY -m pytest -q -p no:cacheprovider -rs tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
-summary+=("pytest: $(tail -n 1 "$OUT/pytest.log")")
-
-SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
-if command -v "$SAN" >/dev/null 2>&1; then
-  for tool in memcheck racecheck; do
-    sel=${SANITIZER_SELECT:-"not large and not two_threads and not new_process and not torch"}
-    [ "$tool" = racecheck ] && sel="$sel and (odd_large or offset or broadcast or graph)"
-    "$SAN" --tool "$tool" --error-exitcode 99 --target-processes all \
-      $PY -m pytest -q -p no:cacheprovider tests/test_gpu_elementwise.py -k "$sel" \
-      > "$OUT/sanitizer-$tool.log" 2>&1
-    rc=$?
-    summary+=("compute-sanitizer $tool (rc=$rc): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | sort | uniq -c | tr '\n' ' ') $(grep -E '^[0-9]+ passed|passed|failed' "$OUT/sanitizer-$tool.log" | tail -n 1)")
-  done
-else
-  summary+=("compute-sanitizer: not found")
+if has tests; then
+  $PY -m pytest -q -p no:cacheprovider -rs tests ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+  summary+=("pytest (all tests): $(tail -n 1 "$OUT/pytest.log")")
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 20
 fi
 
-if $PY -c "import cupylab.bench.cli" 2>/dev/null; then
-  $PY -m cupylab.bench.cli run vector_add fused_add_mul --dtype float32 --dtype bfloat16 \
-      --size 67108864 --json "$OUT/bench-short.json" 2>&1 | tee "$OUT/bench-short.log"
-  summary+=("bench: see $OUT/bench-short.log")
+SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
+if has sanitizer; then
+  if command -v "$SAN" >/dev/null 2>&1; then
+    # memcheck: every elementwise kernel variant on CuPy inputs (torch's own start-up under the
+    # sanitizer costs minutes and exercises the same kernels), and the user-kernel launches.
+    "$SAN" --tool memcheck --error-exitcode 99 --target-processes all \
+      $PY -m pytest -q -p no:cacheprovider tests/test_gpu_elementwise.py tests/test_kernels_gpu.py \
+      -k "${MEMCHECK_SELECT:-(cupy or kernels_gpu) and not large and not torch and not jax and not numba and not two_threads and not new_process and not example}" \
+      > "$OUT/memcheck.log" 2>&1
+    summary+=("compute-sanitizer memcheck (rc=$?): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';') $(grep -E '(passed|failed)' "$OUT/memcheck.log" | tail -n 1)")
+    "$SAN" --tool racecheck --error-exitcode 99 --target-processes all \
+      $PY -m pytest -q -p no:cacheprovider tests/test_gpu_elementwise.py tests/test_kernels_gpu.py \
+      -k "${RACECHECK_SELECT:-(cupy_every and float32) or shared or graph}" \
+      > "$OUT/racecheck.log" 2>&1
+    summary+=("compute-sanitizer racecheck (rc=$?): $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';') $(grep -E '(passed|failed)' "$OUT/racecheck.log" | tail -n 1)")
+  else
+    summary+=("compute-sanitizer: not found")
+  fi
+fi
+
+if has bench; then
+  $PY -m cupylab.bench run vector_add fused_add_mul --dtype float32,bfloat16 --size 2^26 \
+    --peers torch,cupy --json "$OUT/bench-short.json" > "$OUT/bench-short.log" 2>&1
+  summary+=("bench (rc=$?):")
+  while IFS= read -r line; do summary+=("  $line"); done < <(grep -E "^(op |vector_add|fused_add_mul|ceiling)" "$OUT/bench-short.log")
+  $PY -m cupylab.bench overhead --json "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
+  summary+=("overhead (rc=$?): see $OUT/overhead.log")
 fi
 
 printf '\n==== SUMMARY ====\n'
