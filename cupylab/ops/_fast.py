@@ -129,6 +129,9 @@ def _overlaps(optr, p, nbytes):
     return p and p != optr and -nbytes < p - optr < nbytes
 
 
+# _torch and _cupy have the same shape on purpose: each reads its framework's attributes
+# inline, because a shared per-operand helper costs a Python call per operand on the path
+# measured in docs/perf.md ("Host cost per call").
 def _torch(op, operands, out, allow):
     global _torch_stream
     try:
