@@ -555,3 +555,18 @@ def test_sample_indices_and_compare():
     assert msg.startswith("wrong result: 2 of 3") and "flat index 8" in msg
     assert compare(np.array([1, 2]), np.array([1, 3]), np.arange(2), i32, 0, 0).startswith(
         "wrong result: 1 of 2 checked elements differ (exact)")
+
+
+def test_installed_console_script_runs():
+    """The `cupylab-bench` entry point of an installed cupylab (CI installs it) starts and lists
+    the cases without a GPU."""
+    import shutil
+
+    exe = shutil.which("cupylab-bench")
+    if exe is None:
+        pytest.skip("cupylab is not installed in this environment (no cupylab-bench on PATH)")
+    p = subprocess.run([exe, "list"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "vector_add" in p.stdout and "fused_add_mul" in p.stdout
+    h = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    assert h.returncode == 0 and "ceiling" in h.stdout and "overhead" in h.stdout
