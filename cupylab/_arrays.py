@@ -17,7 +17,6 @@ import ctypes
 import sys
 
 from . import _dtypes
-from ._dtypes import DType
 
 __all__ = ["View", "as_view", "is_array", "framework_of"]
 

@@ -101,20 +101,7 @@ bench("torch.cuda._sleep(0) (torch C++ launch)", lambda: torch.cuda._sleep(0))
 
 
 # -- GPU time (CUDA events, median of 9 x 20 calls) at 2^26: a first look at bandwidth -------
-def gpu_us(f, reps=9, inner=20):
-    f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(inner):
-            f()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / inner)
-    return sorted(ts)[reps // 2]
-
+from _gpu_timing import gpu_us  # noqa: E402
 
 n = 1 << 26
 big = torch.empty(1 << 28, device="cuda")

@@ -1,6 +1,7 @@
 """Time compile-time variants of the vectorised elementwise kernel (unroll for 16-bit types,
 unroll for the rest, minimum blocks per SM) at 2^26 elements, beside torch, in one process.
-Prints the registers/spills the compiler chose is in docs/perf.md (cuobjdump -res-usage).
+Prints µs, GB/s and the ratio to torch per variant; the registers and spills the compiler chose
+for each are recorded in docs/perf.md (cuobjdump -res-usage on the cubin).
 
 Usage: python scripts/tune_elementwise.py
 """
@@ -9,24 +10,10 @@ import itertools
 import torch
 
 from cupylab import _compile, _dtypes, _launch
-from cupylab.ops import elementwise as ew
+
+from _gpu_timing import gpu_us
 
 N = 1 << 26
-
-
-def gpu_us(f, reps=7, inner=20):
-    f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(inner):
-            f()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / inner)
-    return sorted(ts)[reps // 2]
 
 
 def variant_kernel(dt, op, u16, u, minb):
@@ -44,11 +31,10 @@ for tname, dname in (("bfloat16", "bfloat16"), ("float32", "float32"), ("float16
     a, b, s = (torch.randn(N, device="cuda").to(tdt) for _ in range(3))
     d = torch.empty_like(a)
     nbytes = {0: 3, 4: 4}
-    t_add = gpu_us(lambda: torch.add(a, b, out=d))
-    t_fam = gpu_us(lambda: torch.mul(torch.add(a, b), s, out=d))
+    t_add = gpu_us(lambda: torch.add(a, b, out=d), reps=7)
+    t_fam = gpu_us(lambda: torch.mul(torch.add(a, b), s, out=d), reps=7)
     print(f"{tname}: torch add {t_add:.1f} us ({3 * N * a.element_size() / t_add / 1e3:.0f} GB/s), "
           f"torch (a+b)*s {t_fam:.1f} us")
-    grid_u = [2, 4] if dt.itemsize == 2 else [4]
     for u, minb in itertools.product([1, 2, 4, 8] if dt.itemsize == 2 else [2, 4, 8], [1, 2, 3, 4]):
         u16, uo = (u, 4) if dt.itemsize == 2 else (2, u)
         for op in (0, 4):
@@ -57,7 +43,7 @@ for tname, dname in (("bfloat16", "bfloat16"), ("float32", "float32"), ("float16
             grid = -(-nvec // (256 * u))
             args = (d.data_ptr(), a.data_ptr(), b.data_ptr(), s.data_ptr() if op == 4 else 0,
                     0, 0, 0, N, 0)
-            us = gpu_us(lambda: k.launch(0, grid, 256, 0, args))
+            us = gpu_us(lambda: k.launch(0, grid, 256, 0, args), reps=7)
             gb = nbytes[op] * N * a.element_size() / us / 1e3
             print(f"  {tname:9s} op={'add' if op == 0 else 'fam'} unroll={u} minblocks={minb}: "
                   f"{us:7.1f} us {gb:6.0f} GB/s  torch/this {(t_add if op == 0 else t_fam) / us:5.2f}")

@@ -37,6 +37,15 @@ def _session_cache_dir(tmp_path_factory):
     yield
 
 
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh, enabled kernel cache directory for one test."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("CUPYLAB_CACHE_DIR", str(d))
+    monkeypatch.delenv("CUPYLAB_CACHE_DISABLE", raising=False)
+    return d
+
+
 class FakeCAI:
     """An object exporting a hand-written ``__cuda_array_interface__`` (never dereferenced)."""
 

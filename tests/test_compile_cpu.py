@@ -24,14 +24,6 @@ __global__ void twice(T* out, const T* x, long long n) {
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv("CUPYLAB_CACHE_DIR", str(d))
-    monkeypatch.delenv("CUPYLAB_CACHE_DISABLE", raising=False)
-    return d
-
-
-@pytest.fixture
 def program(tmp_path):
     inc = tmp_path / "inc"
     inc.mkdir()

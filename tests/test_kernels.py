@@ -33,14 +33,6 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(_runtime, "cupy", boom)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv("CUPYLAB_CACHE_DIR", str(d))
-    monkeypatch.delenv("CUPYLAB_CACHE_DISABLE", raising=False)
-    return d
-
-
 def mod(src, **kw):
     return load_kernels(source=src, **kw)
 
