@@ -3,7 +3,6 @@ reference with poisoned outputs; zero-copy, streams, graph capture, threads, fra
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
