@@ -70,35 +70,15 @@ def _cupy_graph(cp, fn, count=GRAPH_OPS):
 
 
 def _cupylab_graph(cupylab, fn, sync, count=GRAPH_OPS):
-    """Replay function of ``count`` calls of ``fn`` captured with cupylab's graph helper:
-    ``cupylab.Graph`` (``with g.capture(): ...``, ``g.replay()``), else a ``cupylab.graph(fn)``
-    function returning a callable or an object with ``replay()`` / ``launch()``."""
+    """Replay function of ``count`` calls of ``fn`` captured with ``cupylab.Graph``."""
     for _ in range(3):
         fn()
     sync()
-    if hasattr(cupylab, "Graph"):
-        g = cupylab.Graph()
-        with g.capture():
-            for _ in range(count):
-                fn()
-        return g.replay
-
-    def body():
+    g = cupylab.Graph()
+    with g.capture():
         for _ in range(count):
             fn()
-
-    g = cupylab.graph(body)
-    for attr in ("replay", "launch"):
-        f = getattr(g, attr, None)
-        if callable(f):
-            return f
-    if callable(g):
-        return g
-    raise TypeError(f"cupylab.graph(fn) returned a {type(g).__name__} with no replay()/launch()")
-
-
-def _has_graph(cupylab):
-    return hasattr(cupylab, "Graph") or hasattr(cupylab, "graph")
+    return g.replay
 
 
 def _torch_rows(torch, cupylab):
@@ -116,20 +96,18 @@ def _torch_rows(torch, cupylab):
              "(a + b) * s",
              (lambda: fam(torch, a, b, s)) if fam else (lambda: lambda: (a + b) * s)),
     ]
-    if hasattr(cupylab, "prepare"):
-        rows.append(_row("torch", "prepare(fused_add_mul, a, b, s, out=d)()",
-                         lambda: cupylab.prepare(cupylab.fused_add_mul, a, b, s, out=d),
-                         "(a + b) * s", lambda: lambda: (a + b) * s))
+    rows.append(_row("torch", "prepare(fused_add_mul, a, b, s, out=d)()",
+                     lambda: cupylab.prepare(cupylab.fused_add_mul, a, b, s, out=d),
+                     "(a + b) * s", lambda: lambda: (a + b) * s))
     rows.append(_row("torch", f"add(out=) in a torch CUDA graph of {GRAPH_OPS}, per add",
                      lambda: _torch_graph(torch, lambda: cupylab.add(x, y, out=z)),
                      f"torch.add(out=) in a torch CUDA graph of {GRAPH_OPS}",
                      lambda: _torch_graph(torch, lambda: torch.add(x, y, out=z)), GRAPH_OPS))
-    if _has_graph(cupylab):
-        rows.append(_row("torch", f"add(out=) in a cupylab.Graph of {GRAPH_OPS}, per add",
-                         lambda: _cupylab_graph(cupylab, lambda: cupylab.add(x, y, out=z),
-                                                torch.cuda.synchronize),
-                         f"torch.add(out=) in a torch CUDA graph of {GRAPH_OPS}",
-                         lambda: _torch_graph(torch, lambda: torch.add(x, y, out=z)), GRAPH_OPS))
+    rows.append(_row("torch", f"add(out=) in a cupylab.Graph of {GRAPH_OPS}, per add",
+                     lambda: _cupylab_graph(cupylab, lambda: cupylab.add(x, y, out=z),
+                                            torch.cuda.synchronize),
+                     f"torch.add(out=) in a torch CUDA graph of {GRAPH_OPS}",
+                     lambda: _torch_graph(torch, lambda: torch.add(x, y, out=z)), GRAPH_OPS))
     return rows
 
 
@@ -148,20 +126,18 @@ def _cupy_rows(cp, cupylab):
              "ElementwiseKernel (a + b) * s" if fam else "(a + b) * s",
              (lambda: fam(cp, a, b, s)) if fam else (lambda: lambda: (a + b) * s)),
     ]
-    if hasattr(cupylab, "prepare"):
-        rows.append(_row("cupy", "prepare(fused_add_mul, a, b, s, out=d)()",
-                         lambda: cupylab.prepare(cupylab.fused_add_mul, a, b, s, out=d),
-                         "(a + b) * s", lambda: lambda: (a + b) * s))
+    rows.append(_row("cupy", "prepare(fused_add_mul, a, b, s, out=d)()",
+                     lambda: cupylab.prepare(cupylab.fused_add_mul, a, b, s, out=d),
+                     "(a + b) * s", lambda: lambda: (a + b) * s))
     rows.append(_row("cupy", f"add(out=) in a CuPy CUDA graph of {GRAPH_OPS}, per add",
                      lambda: _cupy_graph(cp, lambda: cupylab.add(x, y, out=z)),
                      f"cupy.add(out=) in a CuPy CUDA graph of {GRAPH_OPS}",
                      lambda: _cupy_graph(cp, lambda: cp.add(x, y, out=z)), GRAPH_OPS))
-    if _has_graph(cupylab):
-        rows.append(_row("cupy", f"add(out=) in a cupylab.Graph of {GRAPH_OPS}, per add",
-                         lambda: _cupylab_graph(cupylab, lambda: cupylab.add(x, y, out=z),
-                                                cp.cuda.runtime.deviceSynchronize),
-                         f"cupy.add(out=) in a CuPy CUDA graph of {GRAPH_OPS}",
-                         lambda: _cupy_graph(cp, lambda: cp.add(x, y, out=z)), GRAPH_OPS))
+    rows.append(_row("cupy", f"add(out=) in a cupylab.Graph of {GRAPH_OPS}, per add",
+                     lambda: _cupylab_graph(cupylab, lambda: cupylab.add(x, y, out=z),
+                                            cp.cuda.runtime.deviceSynchronize),
+                     f"cupy.add(out=) in a CuPy CUDA graph of {GRAPH_OPS}",
+                     lambda: _cupy_graph(cp, lambda: cp.add(x, y, out=z)), GRAPH_OPS))
     return rows
 
 

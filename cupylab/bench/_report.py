@@ -63,24 +63,23 @@ def shape_str(shape) -> str:
     return "x".join(str(e) for e in shape) or "()"
 
 
+def _scaled(v, units, last):
+    v = float(v)
+    for unit in units:
+        if abs(v) < 1000:
+            return f"{v:.3g}{unit}"
+        v /= 1000
+    return f"{v:.3g}{last}"
+
+
 def human_bytes(b) -> str:
     """``12582912`` -> ``"12.6 MB"`` (decimal units)."""
-    b = float(b)
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(b) < 1000:
-            return f"{b:.3g} {unit}"
-        b /= 1000
-    return f"{b:.3g} TB"
+    return _scaled(b, (" B", " kB", " MB", " GB"), " TB")
 
 
 def human_count(c) -> str:
     """``1048576`` -> ``"1.05 M"``."""
-    c = float(c)
-    for unit in ("", " k", " M", " G"):
-        if abs(c) < 1000:
-            return f"{c:.3g}{unit}"
-        c /= 1000
-    return f"{c:.3g} T"
+    return _scaled(c, ("", " k", " M", " G"), " T")
 
 
 def _us(v) -> str:
