@@ -16,22 +16,6 @@ namespace cl {
 
 enum Op { OP_ADD = 0, OP_SUB = 1, OP_MUL = 2, OP_DIV = 3, OP_ADD_MUL = 4 };
 
-// 16-byte vectors per thread per grid-stride step on the vectorised path: all of a step's loads
-// are issued before the first use, so UNROLL x 16 B per operand are in flight per thread.
-// The host passes the values it sizes the grid with (-D options from ops/elementwise.py, which
-// also says why they are what they are); these defaults match.
-#ifndef CL_UNROLL16
-#define CL_UNROLL16 1
-#endif
-#ifndef CL_UNROLL
-#define CL_UNROLL 1
-#endif
-#ifndef CL_MIN_BLOCKS
-#define CL_MIN_BLOCKS 1
-#endif
-template <typename T> struct Unroll {
-    static constexpr int value = sizeof(T) == 2 ? CL_UNROLL16 : CL_UNROLL;
-};
 #define CL_MAXD 8
 
 template <typename T, int OP, bool INT = IsInt<T>::value>
@@ -81,99 +65,81 @@ __device__ __forceinline__ T operand(const T* p, long long i, T s) {
     return p ? p[i] : s;
 }
 
-// At least CL_MIN_BLOCKS blocks per SM: every variant then fits without spills (docs/perf.md
-// has the compiler's resource report; scripts/tune_elementwise.py times the alternatives).
+template <typename T, int V>
+__device__ __forceinline__ void splat(Vec<T, V>& r, T s) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) r.v[k] = s;
+}
+
+// One thread per 16-byte vector and no loop: thread t < nvec computes vector t of the aligned
+// body (which starts `head` elements in); the next head + tail threads compute the scalar
+// elements before and after it. The host launches nvec + (n - nvec * V) threads. A lean body
+// matters at small and medium sizes: an earlier grid-stride version with the head and tail
+// peeled in front ran 5-10 % behind torch there (docs/perf.md, "The vectorised kernel").
 template <typename T, int OP, int V>
-__global__ void __launch_bounds__(256, CL_MIN_BLOCKS)
-ew_contig(T* out, const T* a, const T* b, const T* c, T sa, T sb, T sc, long long n, long long head) {
-    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    // Head: the first `head` elements, before the first 16-byte boundary of every operand.
-    if (tid < head) {
-        out[tid] = apply<T, OP>(operand(a, tid, sa), operand(b, tid, sb), operand(c, tid, sc));
-    }
-    const long long nvec = (n - head) / V;
-    const long long tail = head + nvec * V;
-    // Tail: what is left after the last whole vector (fewer than V elements).
-    if (tid < n - tail) {
-        const long long i = tail + tid;
-        out[i] = apply<T, OP>(operand(a, i, sa), operand(b, i, sb), operand(c, i, sc));
-    }
+__global__ void __launch_bounds__(256)
+ew_contig(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b,
+          const T* __restrict__ c, T sa, T sb, T sc, long long n, long long head) {
     typedef Vec<T, V> VT;
-    const VT* va = reinterpret_cast<const VT*>(a + head);
-    const VT* vb = reinterpret_cast<const VT*>(b + head);
-    const VT* vc = reinterpret_cast<const VT*>(c + head);
-    VT* vo = reinterpret_cast<VT*>(out + head);
-    constexpr int U = Unroll<T>::value;
-    const long long step = (long long)gridDim.x * blockDim.x * U;
-    for (long long base = (long long)blockIdx.x * blockDim.x * U + threadIdx.x; base < nvec;
-         base += step) {
-        VT ra[U], rb[U], rc[U];
-        // All loads first, so U * (inputs) 16-byte requests are in flight at once.
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long j = base + (long long)u * blockDim.x;
-            if (j < nvec) {
-                if (a) ra[u] = va[j]; else { for (int k = 0; k < V; ++k) ra[u].v[k] = sa; }
-                if (b) rb[u] = vb[j]; else { for (int k = 0; k < V; ++k) rb[u].v[k] = sb; }
-                if (OP == OP_ADD_MUL) {
-                    if (c) rc[u] = vc[j]; else { for (int k = 0; k < V; ++k) rc[u].v[k] = sc; }
-                } else {
-                    rc[u] = ra[u];
-                }
-            }
+    const long long nvec = (long long)((unsigned long long)(n - head) / V);
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < nvec) {
+        VT ra, rb, rc, r;
+        if (a) ra = reinterpret_cast<const VT*>(a + head)[t]; else splat(ra, sa);
+        if (b) rb = reinterpret_cast<const VT*>(b + head)[t]; else splat(rb, sb);
+        if (OP == OP_ADD_MUL) {
+            if (c) rc = reinterpret_cast<const VT*>(c + head)[t]; else splat(rc, sc);
+        } else {
+            rc = ra;
         }
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long j = base + (long long)u * blockDim.x;
-            if (j < nvec) {
-                VT r;
-#pragma unroll
-                for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra[u].v[k], rb[u].v[k], rc[u].v[k]);
-                vo[j] = r;
-            }
-        }
+        for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra.v[k], rb.v[k], rc.v[k]);
+        reinterpret_cast<VT*>(out + head)[t] = r;
+        return;
     }
+    long long i = t - nvec;           // 0 .. head-1: the head; then the tail after the body
+    if (i >= head) i += nvec * V;
+    if (i < n) out[i] = apply<T, OP>(operand(a, i, sa), operand(b, i, sb), operand(c, i, sc));
 }
 
 // Rows: a 2-D view (rows x cols) in which every array operand's inner stride is 1 (a row slice)
 // or 0 (one value per row: a column broadcast), rows at any outer stride (0: a row broadcast).
 // cols is a multiple of V and every row start is 16-byte aligned, so the inner dimension uses
-// 16-byte vectors; a 2-D grid (x over the row, y over rows) needs no index division.
+// 16-byte vectors. One thread per vector and no loop, like ew_contig: x runs along the row,
+// row = blockIdx.z * gridDim.y + blockIdx.y (gridDim.y is at most 65535).
 // `inner` has bit k set when operand k (a, b, c) has inner stride 1.
 template <typename T>
-__device__ __forceinline__ void load_row_vec(Vec<T, 16 / sizeof(T)>& r, const T* p, long long row,
-                                             long long stride, long long col, bool inner, T s) {
+__device__ __forceinline__ void load_row_vec(Vec<T, 16 / sizeof(T)>& r, const T* __restrict__ p,
+                                             long long row, long long stride, long long col,
+                                             bool inner, T s) {
     constexpr int V = 16 / sizeof(T);
     if (!p) {
-        for (int k = 0; k < V; ++k) r.v[k] = s;
+        splat(r, s);
     } else if (inner) {
         r = *reinterpret_cast<const Vec<T, V>*>(p + row * stride + col);
     } else {
-        const T x = p[row * stride];
-        for (int k = 0; k < V; ++k) r.v[k] = x;
+        splat(r, p[row * stride]);
     }
 }
 
 template <typename T, int OP>
 __global__ void __launch_bounds__(256)
-ew_rows(T* out, const T* a, const T* b, const T* c, T sa, T sb, T sc, long long rows,
-        long long cols, long long so, long long s_a, long long s_b, long long s_c, int inner) {
+ew_rows(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b,
+        const T* __restrict__ c, T sa, T sb, T sc, long long rows, long long cols, long long so,
+        long long s_a, long long s_b, long long s_c, int inner) {
     constexpr int V = 16 / sizeof(T);
     typedef Vec<T, V> VT;
-    const long long cvec = cols / V;
-    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
-        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < cvec;
-             j += (long long)gridDim.x * blockDim.x) {
-            VT ra, rb, rc, ro;
-            load_row_vec(ra, a, r, s_a, j * V, inner & 1, sa);
-            load_row_vec(rb, b, r, s_b, j * V, inner & 2, sb);
-            if (OP == OP_ADD_MUL) load_row_vec(rc, c, r, s_c, j * V, inner & 4, sc);
-            else rc = ra;
+    const long long r = (long long)blockIdx.z * gridDim.y + blockIdx.y;
+    const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows || j >= cols / V) return;
+    VT ra, rb, rc, ro;
+    load_row_vec(ra, a, r, s_a, j * V, inner & 1, sa);
+    load_row_vec(rb, b, r, s_b, j * V, inner & 2, sb);
+    if (OP == OP_ADD_MUL) load_row_vec(rc, c, r, s_c, j * V, inner & 4, sc);
+    else rc = ra;
 #pragma unroll
-            for (int k = 0; k < V; ++k) ro.v[k] = apply<T, OP>(ra.v[k], rb.v[k], rc.v[k]);
-            *reinterpret_cast<VT*>(out + r * so + j * V) = ro;
-        }
-    }
+    for (int k = 0; k < V; ++k) ro.v[k] = apply<T, OP>(ra.v[k], rb.v[k], rc.v[k]);
+    *reinterpret_cast<VT*>(out + r * so + j * V) = ro;
 }
 
 template <typename I>

@@ -187,17 +187,17 @@ class PreparedLaunch:
     time, or on the caller's current stream looked up per call, and returns the output.
     """
 
-    __slots__ = ("_f", "_grid", "_grid_y", "_block", "_buf", "_params", "_params_addr",
-                 "_stream", "out", "device", "_keep")
+    __slots__ = ("_f", "_grid", "_grid_y", "_grid_z", "_block", "_buf", "_params",
+                 "_params_addr", "_stream", "out", "device", "_keep")
 
     def __init__(self, kernel, device, grid, block, args, stream, out, keep):
         self.out = out
         self.device = device
         self._keep = keep  # the operands: their memory must outlive the prepared call
         if type(grid) is tuple:
-            grid, self._grid_y = grid
+            grid, self._grid_y, self._grid_z = (tuple(grid) + (1, 1))[:3]
         else:
-            self._grid_y = 1
+            self._grid_y = self._grid_z = 1
         self._grid, self._block, self._stream = grid, block, stream
         if kernel is None:  # empty work: nothing to launch
             self._f = None
@@ -217,7 +217,7 @@ class PreparedLaunch:
             s = self._stream
             if not isinstance(s, int):
                 s = s()
-            _driver_launch(f, self._grid, self._grid_y, 1, self._block, 1, 1, 0, s,
+            _driver_launch(f, self._grid, self._grid_y, self._grid_z, self._block, 1, 1, 0, s,
                            self._params_addr, 0)
         return self.out
 

@@ -441,6 +441,63 @@ def test_new_process_loads_from_disk_cache(tmp_path):
 
 
 # -- the lean path, prepared calls and the graph helper ------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vector_kernel_every_head_and_tail(dtype):
+    """ew_contig's peeled head and tail: every start offset inside a 16-byte vector and every
+    size up to three vectors (and two larger ones), array and scalar operands; nothing is
+    written outside the output view (the poison around it survives)."""
+    from gpu_util import np_dtype, poison_value
+
+    rng = np.random.default_rng()
+    vw = 16 // np.dtype(np_dtype(dtype)).itemsize
+    for off in range(vw):
+        for n in list(range(3 * vw + 2)) + [257, 1000]:
+            size = off + n + 9
+            hs = [host_data(rng, (size,), dtype) for _ in range(3)]
+            a, b, s = (from_host("cupy", h) for h in hs)
+            sl = slice(off, off + n)
+            for op, args, hargs in (
+                    ("add", (a[sl], b[sl]), (hs[0][sl], hs[1][sl])),
+                    ("mul", (a[sl], 3), (hs[0][sl], 3)),
+                    ("fused_add_mul", (a[sl], b[sl], s[sl]), (hs[0][sl], hs[1][sl], hs[2][sl])),
+                    ("fused_add_mul", (a[sl], b[sl], 2), (hs[0][sl], hs[1][sl], 2))):
+                out = empty_poisoned("cupy", (size,), dtype)
+                getattr(cupylab, op)(*args, out=out[sl])
+                got = to_f64(to_host(out))
+                ref = reference.reference(op, *[
+                    to_f64(h) if isinstance(h, np.ndarray) else
+                    (np.float64(h) if dtype in FLOATS else np.int64(h)) for h in hargs],
+                                          dtype=dtype if dtype in INTS else None)
+                rtol, atol = reference.tolerance(dtype)
+                np.testing.assert_allclose(got[sl], ref, rtol=rtol, atol=atol,
+                                           err_msg=f"{op} offset {off} n {n}")
+                outside = np.concatenate([got[:off], got[off + n:]])
+                poison = to_f64(np.asarray([poison_value(dtype)]).astype(np_dtype(dtype)))
+                np.testing.assert_array_equal(outside, np.full_like(outside, poison[0]),
+                                              err_msg=f"{op} offset {off} n {n} wrote outside")
+
+
+def test_rows_kernel_more_rows_than_grid_y():
+    """More than 65535 rows: the row kernel spreads rows over grid y and z."""
+    import cupy as cp
+
+    from cupylab._elementwise_core import prepare_call
+    from cupylab.ops import elementwise as ew
+
+    rows = 70001
+    x = cp.random.standard_normal((rows, 128), dtype=cp.float32)
+    bias = cp.random.standard_normal(128, dtype=cp.float32)
+    col = cp.random.standard_normal((rows, 1), dtype=cp.float32)
+    k, grid, _ = ew.plan(0, prepare_call("add", (x, bias), names=("x", "y")))
+    assert "ew_rows" in k.name_expression and grid[1] * grid[2] >= rows and grid[2] > 1
+    out = cp.full((rows, 128), cp.nan, dtype=cp.float32)
+    cupylab.add(x, bias, out=out)
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(x) + cp.asnumpy(bias))
+    res = cupylab.fused_add_mul(x, bias, col)
+    ref = (cp.asnumpy(x).astype(np.float64) + cp.asnumpy(bias)) * cp.asnumpy(col)
+    np.testing.assert_allclose(cp.asnumpy(res), ref, rtol=1e-6, atol=1e-6)
+
+
 def test_rows_kernel_chosen_for_bias_shapes():
     import cupy as cp
 

@@ -26,13 +26,12 @@ _torch_stream = None
 _cupy_stream = None
 _cupy_empty = None
 _torch_empty_like = None
-_vectors_per_block = None
 
 
-def bind(kernel_fn, block, vectors_per_block):
-    """Called once by cupylab.ops.elementwise with its kernel lookup and launch shape."""
-    global _kernel, _BLOCK, _vectors_per_block
-    _kernel, _BLOCK, _vectors_per_block = kernel_fn, block, vectors_per_block
+def bind(kernel_fn, block):
+    """Called once by cupylab.ops.elementwise with its kernel lookup and block size."""
+    global _kernel, _BLOCK
+    _kernel, _BLOCK = kernel_fn, block
 
 
 def _dtype(op, fdt):
@@ -41,7 +40,7 @@ def _dtype(op, fdt):
     key = (op, fdt)
     try:
         d = _dtypes.resolve(fdt)
-        info = ((d, _kernel(op, d, "vec"), _kernel(op, d, "scalar"), _vectors_per_block(d))
+        info = ((d, _kernel(op, d, "vec"), _kernel(op, d, "scalar"), 16 // d.itemsize)
                 if d.arithmetic else None)
     except TypeError:
         info = None
@@ -101,7 +100,7 @@ def _scalar(y, i, allow, dt):
 
 def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
     # alignment: the vector path when every array pointer shares its offset modulo 16
-    dt, kvec, kscal, per_block = info
+    dt, kvec, kscal, vw = info
     mod = optr & 15
     isz = dt.itemsize
     if (mod % isz == 0 and (p0 & 15) == mod and (not p1 or (p1 & 15) == mod)
@@ -109,10 +108,11 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
         head = ((16 - mod) & 15) // isz
         if head > n:
             head = n
-        nvec = (n - head) // (16 // isz)
+        nvec = (n - head) // vw
+        threads = n - nvec * (vw - 1)  # ew_contig: a thread per vector and per peeled element
         k = kvec
     else:
-        head, nvec = 0, n
+        head, threads = 0, n
         k = kscal
     # Kernel.launch, inlined: this is the per-call hot path
     f = k._fns.get(dev) or k.function(dev)
@@ -122,11 +122,7 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
         buf, _, params = k._buffers()
     k._struct.pack_into(buf, 0, optr, p0, p1, p2, 0, s1, s2, n, head)
     (_launch_mod._driver_launch or _launch_mod._launch_kernel())(
-        f, -(-nvec // per_block) or 1, 1, 1, _BLOCK, 1, 1, 0, stream, params, 0)
-
-
-def _overlaps(optr, p, nbytes):
-    return p and p != optr and -nbytes < p - optr < nbytes
+        f, -(-threads // _BLOCK), 1, 1, _BLOCK, 1, 1, 0, stream, params, 0)
 
 
 # _torch and _cupy have the same shape on purpose: each reads its framework's attributes
@@ -187,8 +183,10 @@ def _torch(op, operands, out, allow):
                     or out.get_device() != dev):
                 return MISS
             optr = out.data_ptr()
-            nb = n * dt.itemsize
-            if _overlaps(optr, p0, nb) or _overlaps(optr, p1, nb) or _overlaps(optr, p2, nb):
+            nb = n * dt.itemsize  # partial overlap with an input: the general path refuses
+            if ((p0 != optr and -nb < p0 - optr < nb)
+                    or (p1 and p1 != optr and -nb < p1 - optr < nb)
+                    or (p2 and p2 != optr and -nb < p2 - optr < nb)):
                 return MISS
             o = out
         s = _torch_stream
@@ -258,8 +256,9 @@ def _cupy(op, operands, out, allow):
                 return MISS
             optr = _cupy_ptr(out, fdt, shape, dev)
             nb = n * dt.itemsize
-            if (not optr or _overlaps(optr, p0, nb) or _overlaps(optr, p1, nb)
-                    or _overlaps(optr, p2, nb)):
+            if (not optr or (p0 != optr and -nb < p0 - optr < nb)
+                    or (p1 and p1 != optr and -nb < p1 - optr < nb)
+                    or (p2 and p2 != optr and -nb < p2 - optr < nb)):
                 return MISS
             o = out
         stream = _cupy_stream().ptr

@@ -21,13 +21,6 @@ __all__ = ["add", "sub", "mul", "div", "vector_add", "fused_add_mul", "prepare"]
 OPS = {"add": 0, "sub": 1, "mul": 2, "div": 3, "fused_add_mul": 4}
 MAXD = 8  # CL_MAXD in elementwise.cu
 BLOCK = 256  # threads per block (__launch_bounds__ in the kernels)
-# Vectorised-path shape, passed to the kernels as -D options (the one source of truth):
-# scripts/tune_elementwise.py on the H200 (docs/perf.md): one vector per thread is best for 16-bit
-# types (unroll 2/4 lost 6%/13% at 2^26) and as good as 2-8 for wider types, and it gives the
-# most blocks to medium (L2-resident) sizes.
-UNROLL = 1  # 16-byte vectors per thread per grid-stride step (4- and 8-byte types)
-UNROLL16 = 1  # the same for 16-bit types
-MIN_BLOCKS = 1  # __launch_bounds__ minimum blocks per SM (no effect measured at unroll 1)
 STRIDED_WAVES = 16  # strided grid: blocks per SM before threads loop (grid-stride)
 _INT32_MAX = 2**31 - 1
 
@@ -39,9 +32,10 @@ def vector_width(dt) -> int:
     return 16 // dt.itemsize
 
 
-def vectors_per_block(dt) -> int:
-    """16-byte vectors one block covers per grid-stride step (sizes the grid)."""
-    return BLOCK * (UNROLL16 if dt.itemsize == 2 else UNROLL)
+def contig_threads(n, head, nvec, vw) -> int:
+    """Threads ``ew_contig`` needs: one per 16-byte vector of the body plus one per peeled
+    head/tail element (``vw``: elements per vector, 1 on the scalar path)."""
+    return nvec + n - nvec * vw
 
 
 def name_expressions(dt):
@@ -61,9 +55,7 @@ def program(dt) -> _compile.Program:
     p = _programs.get(dt.name)
     if p is None:
         p = _programs.setdefault(dt.name, _compile.Program.from_file(
-            _compile.cuda_src_dir() / "elementwise.cu", name_expressions(dt),
-            options=(f"-DCL_UNROLL={UNROLL}", f"-DCL_UNROLL16={UNROLL16}",
-                     f"-DCL_MIN_BLOCKS={MIN_BLOCKS}")))
+            _compile.cuda_src_dir() / "elementwise.cu", name_expressions(dt)))
     return p
 
 
@@ -117,7 +109,7 @@ def _run(opname, operands, names, out, stream, allow_scalars, kernel_op=None):
             _wait_producers(c)
             k, grid, args = plan(op, c)
             if type(grid) is tuple:
-                k.launch(c.device, grid[0], BLOCK, c.stream, args, grid_yz=(grid[1], 1))
+                k.launch(c.device, grid[0], BLOCK, c.stream, args, grid_yz=grid[1:])
             else:
                 k.launch(c.device, grid, BLOCK, c.stream, args)
     return finish_output(c.kind, c.out_obj, c.stream, c.device) if c.allocated else c.out_obj
@@ -137,13 +129,16 @@ def contiguous_plan(op, dt, n, ptrs):
     isz = dt.itemsize
     mod = ptrs[0] % 16
     if mod % isz == 0 and all(p % 16 == mod for p in ptrs if p):
+        vw = 16 // isz
         head = min(n, ((16 - mod) % 16) // isz)
-        nvec = (n - head) // (16 // isz)
+        nvec = (n - head) // vw
         k = _kernel(op, dt, "vec")
     else:
-        head, nvec = 0, n
+        vw, head, nvec = 1, 0, n
         k = _kernel(op, dt, "scalar")
-    grid = min(max(1, -(-nvec // vectors_per_block(dt))), _INT32_MAX)
+    grid = max(1, -(-contig_threads(n, head, nvec, vw) // BLOCK))
+    if grid > _INT32_MAX:
+        raise ValueError(f"{list(OPS)[op]}: {n} elements is more than one launch can cover")
     return k, grid, head
 
 
@@ -190,7 +185,7 @@ def plan(op, c):
     return k, grid, tuple(args)
 
 
-ROWS_MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; the kernel loops over further rows
+ROWS_MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (and z): rows = grid y x grid z
 
 
 def _rows_plan(op, dt, sh, sts, views):
@@ -219,7 +214,11 @@ def _rows_plan(op, dt, sh, sts, views):
             if i:
                 inner |= 1 << (i - 1)
     cvec = cols // V
-    grid = (min(-(-cvec // BLOCK), _INT32_MAX), min(rows, ROWS_MAX_GRID_Y))
+    gx, gy = -(-cvec // BLOCK), min(rows, ROWS_MAX_GRID_Y)
+    gz = -(-rows // gy)
+    if gx > _INT32_MAX or gz > ROWS_MAX_GRID_Y:
+        return None
+    grid = (gx, gy, gz)
     return (_kernel(op, dt, "rows"), grid,
             (rows, cols, sts[0][0], sts[1][0], sts[2][0], sts[3][0], inner))
 
@@ -456,4 +455,4 @@ _PREPARABLE = {
     vector_add: ("vector_add", ("x", "y"), (False, False), "add"),
     fused_add_mul: ("fused_add_mul", ("a", "b", "s"), (False, False, True), "fused_add_mul"),
 }
-_fast.bind(_kernel, BLOCK, vectors_per_block)
+_fast.bind(_kernel, BLOCK)

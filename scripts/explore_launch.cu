@@ -1,0 +1,68 @@
+// Experimental kernel shapes for scripts/explore_launch.py (not part of the library): what
+// makes a small or medium elementwise launch slower than torch's, and what the fp64 division and
+// row-broadcast kernels need. Each variant computes out = OP(a, b) like cl::ew_contig does.
+#include "elementwise.cu"
+
+namespace clx {
+using namespace cl;
+
+extern "C" __global__ void x_empty() {}
+
+// VPT 16-byte vectors per thread, block-strided (coalesced), one pass (no grid-stride loop),
+// no head/tail peel and no scalar operands: the leanest possible vector kernel.
+template <typename T, int OP, int VPT, typename I>
+__global__ void __launch_bounds__(512)
+x_vec(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, I nvec) {
+    constexpr int V = 16 / sizeof(T);
+    typedef Vec<T, V> VT;
+    const I base = (I)blockIdx.x * (I)blockDim.x * VPT + (I)threadIdx.x;
+    VT ra[VPT], rb[VPT];
+#pragma unroll
+    for (int u = 0; u < VPT; ++u) {
+        const I j = base + (I)u * (I)blockDim.x;
+        if (j < nvec) {
+            ra[u] = reinterpret_cast<const VT*>(a)[j];
+            rb[u] = reinterpret_cast<const VT*>(b)[j];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < VPT; ++u) {
+        const I j = base + (I)u * (I)blockDim.x;
+        if (j < nvec) {
+            VT r;
+#pragma unroll
+            for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra[u].v[k], rb[u].v[k], ra[u].v[k]);
+            reinterpret_cast<VT*>(out)[j] = r;
+        }
+    }
+}
+
+// Row broadcast out[r, :] = OP(a[r, :], b[:]) with the row operand kept in registers across
+// the rows a thread visits (grid.y < rows), ROWS rows' loads in flight per step.
+template <typename T, int OP, int ROWS>
+__global__ void __launch_bounds__(256)
+x_rowbcast(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, long long rows,
+           long long cvec) {
+    constexpr int V = 16 / sizeof(T);
+    typedef Vec<T, V> VT;
+    const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cvec) return;
+    const VT rb = reinterpret_cast<const VT*>(b)[j];
+    for (long long r0 = (long long)blockIdx.y * ROWS; r0 < rows; r0 += (long long)gridDim.y * ROWS) {
+        VT ra[ROWS];
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u)
+            if (r0 + u < rows) ra[u] = reinterpret_cast<const VT*>(a)[(r0 + u) * cvec + j];
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u) {
+            if (r0 + u < rows) {
+                VT o;
+#pragma unroll
+                for (int k = 0; k < V; ++k) o.v[k] = apply<T, OP>(ra[u].v[k], rb.v[k], ra[u].v[k]);
+                reinterpret_cast<VT*>(out)[(r0 + u) * cvec + j] = o;
+            }
+        }
+    }
+}
+
+}  // namespace clx

@@ -1,0 +1,292 @@
+"""Where do small and medium elementwise launches lose to torch, and what do the fp64 division
+and row-broadcast kernels need? Experiments on the H200, one process, every row beside torch.
+
+Sections (all GPU times: CUDA events after warm-up, a hold kernel in front when launch-bound,
+median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the bench's Timer):
+
+  sizes    torch vs cl::ew_contig (block 256 / 128) vs the leanest vector kernel (x_vec: 1, 2,
+           4 vectors per thread; 32- and 64-bit index) at 2^10 .. 2^26, fp32/bf16/fp64 add and
+           fp64 div;
+  graph    GPU time per kernel replayed from a CUDA graph of 100 (1024 elements);
+  host     host µs per call, interleaved rounds: launch forms (kernel_params vs one packed
+           `extra` buffer) and the public calls beside torch;
+  rows     row broadcast (8192 x 8192): torch, cupylab.add, and x_rowbcast with the row
+           operand kept in registers;
+  ncu      (--ncu) one call of each case for Nsight Compute to profile.
+
+Usage: python scripts/explore_launch.py [SECTION ...] | --ncu
+"""
+import ctypes
+import functools
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import cupy as cp
+import torch
+
+import cupylab
+from cupylab import _compile, _dtypes, _launch
+from cupylab.bench._timing import Timer
+
+HERE = Path(__file__).resolve().parent
+L2 = cp.cuda.Device().attributes["L2CacheSize"]
+SMS = cp.cuda.Device().attributes["MultiProcessorCount"]
+OPS = {"add": 0, "div": 3}
+TDT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def prog(names):
+    return _compile.Program.from_file(HERE / "explore_launch.cu", names,
+                                      include_dirs=[_compile.cuda_src_dir()])
+
+
+@functools.lru_cache(None)
+def cur_kernel(dt, op):
+    name = f"cl::ew_contig<{dt.ctype}, {op}, {16 // dt.itemsize}>"
+    t = dt.fmt
+    return _launch.Kernel(prog([name]), name, ["Q", "Q", "Q", "Q", t, t, t, "q", "q"])
+
+
+@functools.lru_cache(None)
+def x_kernel(dt, op, vpt, it):
+    name = f"clx::x_vec<{dt.ctype}, {op}, {vpt}, {it}>"
+    return _launch.Kernel(prog([name]), name, ["Q", "Q", "Q", "i" if it == "int" else "q"])
+
+
+def buffer_sets(n, tdt, k=3):
+    isz = torch.empty(0, dtype=tdt).element_size()
+    nsets = max(2, min(64, math.ceil(2 * L2 / (k * n * isz))))
+    return [[torch.randn(n, device="cuda").to(tdt) for _ in range(k)] for _ in range(nsets)]
+
+
+def variants(dt, op, n):
+    """name -> function(a, b, d) launching on the default stream."""
+    V = 16 // dt.itemsize
+    nvec = n // V
+    out = {}
+    kc = cur_kernel(dt, op)
+    for blk in (256, 128):
+        out[f"ew_contig/{blk}"] = (lambda kc=kc, blk=blk: lambda a, b, d: kc.launch(
+            0, max(1, -(-nvec // blk)), blk, 0,
+            (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, n, 0)))()
+    for vpt, blk, it in ((1, 256, "int"), (1, 128, "int"), (2, 128, "int"), (2, 256, "int"),
+                         (4, 128, "int"), (1, 256, "long long")):
+        kx = x_kernel(dt, op, vpt, it)
+        per = vpt * blk
+        out[f"x_vec{vpt}/{blk}{'/ll' if it != 'int' else ''}"] = (
+            lambda kx=kx, blk=blk, per=per: lambda a, b, d: kx.launch(
+                0, max(1, -(-nvec // per)), blk, 0, (d.data_ptr(), a.data_ptr(), b.data_ptr(), nvec)))()
+    return out
+
+
+def section_sizes(timer):
+    print("\n== sizes: GPU us per call (median), ratio torch/variant ==", flush=True)
+    for dname, opname in (("float32", "add"), ("bfloat16", "add"), ("float64", "add"),
+                          ("float64", "div")):
+        dt, tdt, op = _dtypes.DTYPES[dname], TDT[dname], OPS[opname]
+        tfn = torch.add if opname == "add" else torch.div
+        for lg in (10, 14, 16, 18, 20, 22, 24, 26):
+            n = 1 << lg
+            sets = buffer_sets(n, tdt)
+            tt = timer.events([lambda s=s: tfn(s[0], s[1], out=s[2]) for s in sets], 5).median
+            row = [f"{dname:8s} {opname} 2^{lg:<2d} torch {tt:8.2f}"]
+            for name, f in variants(dt, op, n).items():
+                us = timer.events([lambda s=s, f=f: f(s[0], s[1], s[2]) for s in sets], 5).median
+                row.append(f"{name} {us:8.2f} ({tt / us:4.2f})")
+            print(" | ".join(row), flush=True)
+            del sets
+
+
+def section_graph(timer):
+    print("\n== graph: GPU us per kernel replayed from a graph of 100 (1024 elements) ==",
+          flush=True)
+
+    kempty = _launch.Kernel(prog(["clx::x_empty"]), "clx::x_empty", [])
+    for dname in ("float32", "bfloat16"):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        a, b, d = (torch.randn(1024, device="cuda").to(tdt) for _ in range(3))
+        s = cp.cuda.Stream(non_blocking=True)
+        res = {"empty": _replay_us(_capture(s, lambda: kempty.launch(0, 1, 32, 0, ())), s)}
+        for name, f in variants(dt, 0, 1024).items():
+            res[name] = _replay_us(_capture(s, lambda f=f: f(a, b, d)), s)
+        cupylab.add(a, b, out=d)
+        torch.cuda.synchronize()
+        for label, fn in (("torch.add", lambda: torch.add(a, b, out=d)),
+                          ("cupylab.add", lambda: cupylab.add(a, b, out=d))):
+            tg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(tg):
+                for _ in range(100):
+                    fn()
+            torch.cuda.synchronize()
+            res[f"{label} (torch graph)"] = _replay_us(tg, None)
+        print(f"{dname}: " + " | ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
+
+
+_cur_stream = 0
+_orig_launch = _launch.Kernel.launch
+
+
+def _launch_on_cur(self, device, grid, block, stream, args, **kw):
+    # the variants launch on stream 0: redirect them to the capture stream
+    return _orig_launch(self, device, grid, block, stream or _cur_stream, args, **kw)
+
+
+def _capture(s, body, count=100):
+    global _cur_stream
+    _launch.Kernel.launch = _launch_on_cur
+    _cur_stream = s.ptr
+    try:
+        body()
+        s.synchronize()
+        with s:
+            s.begin_capture()
+            try:
+                for _ in range(count):
+                    body()
+            finally:
+                g = s.end_capture()
+    finally:
+        _launch.Kernel.launch = _orig_launch
+        _cur_stream = 0
+    try:
+        g.upload(s)
+    except AttributeError:
+        pass
+    return g
+
+
+def _replay_us(g, s, reps=30, count=100):
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    samples = []
+    for _ in range(5):
+        if s is None:
+            g.replay()
+            torch.cuda.synchronize()
+            te0, te1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            te0.record()
+            for _ in range(reps):
+                g.replay()
+            te1.record()
+            te1.synchronize()
+            samples.append(te0.elapsed_time(te1) * 1e3 / reps / count)
+        else:
+            g.launch(s)
+            s.synchronize()
+            e0.record(s)
+            for _ in range(reps):
+                g.launch(s)
+            e1.record(s)
+            e1.synchronize()
+            samples.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps / count)
+    return statistics.median(samples)
+
+
+def section_host():
+    print("\n== host: us per call, 1024 fp32, interleaved rounds (median of 9 rounds x 2000) ==",
+          flush=True)
+    from cupy_backends.cuda.api import driver
+    dt = _dtypes.DTYPES["float32"]
+    x, y, z = (torch.randn(1024, device="cuda") for _ in range(3))
+    k = cur_kernel(dt, 0)
+    f = k.function(0)
+    args = (z.data_ptr(), x.data_ptr(), y.data_ptr(), 0, 0.0, 0.0, 0.0, 1024, 0)
+    buf, _, params = k._buffers()
+    k._struct.pack_into(buf, 0, *args)
+    size = ctypes.c_size_t(k._size)
+    extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
+    pextra = ctypes.addressof(extra)
+    ke = _launch.Kernel(prog(["clx::x_empty"]), "clx::x_empty", [])
+    fe = ke.function(0)
+    L = driver.launchKernel
+    call = cupylab.prepare(cupylab.add, x, y, out=z)
+    cases = {
+        "launch empty kernel (no params)": lambda: L(fe, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0),
+        "launch ew_contig, kernel_params": lambda: L(f, 1, 1, 1, 256, 1, 1, 0, 0, params, 0),
+        "launch ew_contig, extra buffer": lambda: L(f, 1, 1, 1, 256, 1, 1, 0, 0, 0, pextra),
+        "torch.cuda._sleep(0)": lambda: torch.cuda._sleep(0),
+        "torch.add(x, y, out=z)": lambda: torch.add(x, y, out=z),
+        "cupylab.add(x, y, out=z)": lambda: cupylab.add(x, y, out=z),
+        "x + y": lambda: x + y,
+        "cupylab.add(x, y)": lambda: cupylab.add(x, y),
+        "prepared add()": call,
+    }
+    res = {k_: [] for k_ in cases}
+    for fn in cases.values():
+        for _ in range(300):
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(9):
+        for name, fn in cases.items():
+            t = time.perf_counter()
+            for _ in range(2000):
+                fn()
+            torch.cuda.synchronize()
+            res[name].append((time.perf_counter() - t) / 2000 * 1e6)
+    for name, v in res.items():
+        print(f"{name:36s} {statistics.median(v):7.3f} us  (min {min(v):.3f}, max {max(v):.3f})")
+
+
+def section_rows(timer):
+    print("\n== rows: out[r,:] = a[r,:] + b[:], 8192 x 8192 ==", flush=True)
+    R = C = 8192
+    for dname in ("float32", "bfloat16", "float64"):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        V = 16 // dt.itemsize
+        cvec = C // V
+        a = torch.randn(R, C, device="cuda").to(tdt)
+        b = torch.randn(C, device="cuda").to(tdt)
+        d = torch.empty_like(a)
+        nbytes = 2 * R * C * dt.itemsize
+        tt = timer.events([lambda: torch.add(a, b, out=d)], 7).median
+        tc = timer.events([lambda: cupylab.add(a, b, out=d)], 7).median
+        row = [f"{dname:8s} torch {tt:7.1f} ({nbytes / tt / 1e3:5.0f} GB/s) | cupylab {tc:7.1f} ({tt / tc:4.2f})"]
+        for rows_per in (1, 2, 4):
+            name = f"clx::x_rowbcast<{dt.ctype}, 0, {rows_per}>"
+            k = _launch.Kernel(prog([name]), name, ["Q", "Q", "Q", "q", "q"])
+            gx = -(-cvec // 256)
+            for label, gy in (("all", R // rows_per), ("8w", max(1, SMS * 8 * 8 // gx)),
+                              ("2w", max(1, SMS * 8 * 2 // gx))):
+                gy = min(gy, R // rows_per, 65535)
+                us = timer.events([lambda k=k, gx=gx, gy=gy: k.launch(
+                    0, gx, 256, 0, (d.data_ptr(), a.data_ptr(), b.data_ptr(), R, cvec),
+                    grid_yz=(gy, 1))], 7).median
+                row.append(f"rows{rows_per}/{label}(gy={gy}) {us:7.1f} ({tt / us:4.2f})")
+        print(" | ".join(row), flush=True)
+
+
+
+def ncu_cases():
+    """One call of each case, for `ncu --clock-control none` to profile."""
+    for dname, lgs in (("float32", (10, 16, 20, 22)), ("bfloat16", (20, 24)), ("float64", (20, 24))):
+        tdt = TDT[dname]
+        for lg in lgs:
+            a, b, d = (torch.randn(1 << lg, device="cuda").to(tdt) for _ in range(3))
+            for _ in range(2):
+                torch.add(a, b, out=d)
+                cupylab.add(a, b, out=d)
+            if dname == "float64" and lg == 24:
+                torch.div(a, b, out=d)
+                cupylab.div(a, b, out=d)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args == ["--ncu"]:
+        ncu_cases()
+        sys.exit(0)
+    want = set(args) or {"sizes", "graph", "host", "rows"}
+    print(f"GPU: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {SMS} SMs, "
+          f"L2 {L2 >> 20} MiB; torch {torch.__version__}, CuPy {cp.__version__}", flush=True)
+    timer = Timer(cp)
+    if "host" in want:
+        section_host()
+    if "graph" in want:
+        section_graph(timer)
+    if "rows" in want:
+        section_rows(timer)
+    if "sizes" in want:
+        section_sizes(timer)
