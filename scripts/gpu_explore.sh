@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# Device session of 2026-12-02 (issues 3 and 4): the installed console script's quick suite
-# from a clean install, the launch-shape experiments, and Nsight Compute on torch's and
-# cupylab's kernels. Usage: scripts/gpu_explore.sh OUTDIR   (STEPS picks: cli explore ncu)
+# One device session's measurements for issues 3 and 4, from a plain checkout:
+#   cli      a regular (non-editable) pip install of this checkout into a fresh prefix, then
+#            its `cupylab-bench` console script's quick suite, run from another directory;
+#   explore  scripts/explore_launch.py (launch-shape experiments beside torch);
+#   ncu      Nsight Compute on torch's and cupylab's elementwise kernels;
+#   sweep    scripts/bench_sweep.sh with the installed console script (needs cli);
+#   host     scripts/host_profile.py (where the host time of a small call goes).
+# Usage: scripts/gpu_explore.sh OUTDIR   (STEPS picks steps; logs and results.tgz in OUTDIR)
 set -u
 cd "$(dirname "$0")/.."
-OUT=${1:-out}; mkdir -p "$OUT"
+OUT=${1:-out}; mkdir -p "$OUT/r"
 export PYTHONUNBUFFERED=1 CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-/tmp/clc}
 STEPS=${STEPS:-cli explore ncu}
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+PFX=/tmp/clprefix
+SITE=$(python3 -c "import sysconfig; print(sysconfig.get_path('purelib', vars={'base': '$PFX', 'platbase': '$PFX'}))")
 if has cli; then
-  # a fresh venv that sees the image's CuPy/torch, a regular (non-editable) install of this
-  # checkout, run from another directory so the checkout is not on the path
-  python3 -m venv --system-site-packages /tmp/clvenv && \
-    /tmp/clvenv/bin/python -m pip install -q --no-deps --no-build-isolation . > "$OUT/cli_install.log" 2>&1
-  (cd /tmp && command -v /tmp/clvenv/bin/cupylab-bench && \
-    /tmp/clvenv/bin/python -c "import cupylab, sys; print(cupylab.__file__)" && \
-    time /tmp/clvenv/bin/cupylab-bench) > "$OUT/cli_quick.log" 2>&1
-  echo "cli rc=$?"; tail -n 40 "$OUT/cli_quick.log"
+  python3 -m pip install -q --no-deps --no-build-isolation --prefix "$PFX" . > "$OUT/r/cli_install.log" 2>&1
+  echo "install rc=$?"
+  (cd /tmp && export PYTHONPATH=$SITE && ls -l "$PFX/bin/cupylab-bench" && \
+    python3 -c "import cupylab; print('cupylab from', cupylab.__file__)" && \
+    time "$PFX/bin/cupylab-bench") > "$OUT/cli_quick.log" 2>&1
+  echo "cli rc=$?"; cat "$OUT/cli_quick.log"
 fi
 if has explore; then
   PYTHONPATH=$PWD python3 scripts/explore_launch.py ${EXPLORE:-} > "$OUT/explore.log" 2>&1
@@ -24,18 +29,32 @@ if has explore; then
 fi
 if has ncu; then
   PYTHONPATH=$PWD ncu --clock-control none --csv --metrics \
-launch__grid_size,launch__block_size,launch__registers_per_thread,gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_registers,dram__bytes.sum,smsp__inst_executed.sum \
-    python3 scripts/explore_launch.py --ncu > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
-  echo "ncu rc=$?"; tail -n 3 "$OUT/ncu.err"
-  python3 - "$OUT/ncu.csv" <<'PY'
+launch__grid_size,launch__block_size,launch__registers_per_thread,gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes.sum,smsp__inst_executed.sum \
+    python3 scripts/explore_launch.py --ncu > "$OUT/r/ncu.csv" 2> "$OUT/r/ncu.err"
+  echo "ncu rc=$?"
+  python3 - "$OUT/r/ncu.csv" <<'PY' > "$OUT/ncu.txt"
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-hdr = rows[0]; iK, iM, iV = hdr.index("Kernel Name"), hdr.index("Metric Name"), hdr.index("Metric Value")
-iID = hdr.index("ID")
+hdr = rows[0]
+iK, iM, iV, iID = (hdr.index(k) for k in ("Kernel Name", "Metric Name", "Metric Value", "ID"))
 by = {}
 for r in rows[1:]:
-    by.setdefault((int(r[iID]), r[iK][:60]), {})[r[iM]] = r[iV]
+    if not any(t in r[iK] for t in ("cl::", "CUDAFunctor", "BinaryFunctor")):
+        continue  # torch's input generation and copies
+    by.setdefault((int(r[iID]), r[iK][:48]), {})[r[iM]] = r[iV]
 for (i, k), m in sorted(by.items()):
-    print(i, k, " ".join(f"{n.split('__')[1][:28]}={v}" for n, v in sorted(m.items())))
+    print(i, k, " ".join(f"{n.split('__')[1][:20]}={v}" for n, v in sorted(m.items())))
 PY
+  cat "$OUT/ncu.txt"
 fi
+if has sweep; then
+  (export PYTHONPATH=$SITE; cd /tmp && BENCH="$PFX/bin/cupylab-bench" REPEAT=${REPEAT:-3} \
+    PEERS=${PEERS:-torch,cupy} bash "$OLDPWD/scripts/bench_sweep.sh" "$OLDPWD/$OUT/r/sweep") \
+    > "$OUT/sweep_run.log" 2>&1
+  echo "sweep rc=$?"; grep -E "^\+|exit|done" "$OUT/sweep_run.log"
+fi
+if has host; then
+  (cd scripts && PYTHONPATH=$OLDPWD python3 host_profile.py) > "$OUT/r/host_profile.log" 2>&1
+  echo "host rc=$?"; cat "$OUT/r/host_profile.log"
+fi
+tar czf "$OUT/results.tgz" -C "$OUT/r" . && rm -rf "$OUT/r"
