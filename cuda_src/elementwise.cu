@@ -2,9 +2,10 @@
 //
 // One template per access pattern, instantiated per (dtype, op) through NVRTC name expressions
 // (cupylab/ops/elementwise.py builds the names):
-//   ew_contig<T, OP, V>    all operands contiguous 1-D. V elements per access: V * sizeof(T) == 16
-//                          for the vectorised path (head and tail peeled so the body is aligned),
-//                          V == 1 when the operands' alignments differ.
+//   ew_contig<T, OP, V, ARR>  all operands contiguous 1-D. V elements per access:
+//                          V * sizeof(T) == 16 for the vectorised path (head and tail peeled so
+//                          the body is aligned), V == 1 when the operands' alignments differ;
+//                          ARR when no operand is a scalar.
 //   ew_rows<T, OP>         2-D: rows of 16-byte vectors, each operand a row slice, a row
 //                          broadcast or a column broadcast (NumPy's bias-add shapes)
 //   ew_strided<T, OP, I>   any strides (negative, zero = broadcast), up to MAXD dims after the
@@ -71,35 +72,41 @@ __device__ __forceinline__ void splat(Vec<T, V>& r, T s) {
     for (int k = 0; k < V; ++k) r.v[k] = s;
 }
 
-// One thread per 16-byte vector and no loop: thread t < nvec computes vector t of the aligned
-// body (which starts `head` elements in); the next head + tail threads compute the scalar
-// elements before and after it. The host launches nvec + (n - nvec * V) threads. A lean body
-// matters at small and medium sizes: an earlier grid-stride version with the head and tail
-// peeled in front ran 5-10 % behind torch there (docs/perf.md, "The vectorised kernel").
-template <typename T, int OP, int V>
+// One thread per V-element vector and no loop. The host passes the operands' pointers to the
+// aligned body (base + head elements; nullptr for a scalar operand), the body's vector count
+// and how many elements precede (head) and follow (tail) it. Thread t < nvec computes vector t;
+// the next head + tail threads compute one peeled element each, at offsets -head .. -1 and
+// nvec * V .. nvec * V + tail - 1 from the body. ARR: every operand is an array (no scalar
+// checks). Lean on purpose: small and medium launches are bound by their latency, and an
+// earlier grid-stride version (632 SASS instructions with a 64-bit trip-count division)
+// ran 5-10 % behind torch there (docs/perf.md, "The vectorised kernel").
+template <typename T, int OP, int V, bool ARR>
 __global__ void __launch_bounds__(256)
 ew_contig(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b,
-          const T* __restrict__ c, T sa, T sb, T sc, long long n, long long head) {
+          const T* __restrict__ c, T sa, T sb, T sc, long long nvec, long long head,
+          long long tail) {
     typedef Vec<T, V> VT;
-    const long long nvec = (long long)((unsigned long long)(n - head) / V);
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t < nvec) {
         VT ra, rb, rc, r;
-        if (a) ra = reinterpret_cast<const VT*>(a + head)[t]; else splat(ra, sa);
-        if (b) rb = reinterpret_cast<const VT*>(b + head)[t]; else splat(rb, sb);
+        if (ARR || a) ra = reinterpret_cast<const VT*>(a)[t]; else splat(ra, sa);
+        if (ARR || b) rb = reinterpret_cast<const VT*>(b)[t]; else splat(rb, sb);
         if (OP == OP_ADD_MUL) {
-            if (c) rc = reinterpret_cast<const VT*>(c + head)[t]; else splat(rc, sc);
+            if (ARR || c) rc = reinterpret_cast<const VT*>(c)[t]; else splat(rc, sc);
         } else {
             rc = ra;
         }
 #pragma unroll
         for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra.v[k], rb.v[k], rc.v[k]);
-        reinterpret_cast<VT*>(out + head)[t] = r;
+        reinterpret_cast<VT*>(out)[t] = r;
         return;
     }
-    long long i = t - nvec;           // 0 .. head-1: the head; then the tail after the body
-    if (i >= head) i += nvec * V;
-    if (i < n) out[i] = apply<T, OP>(operand(a, i, sa), operand(b, i, sb), operand(c, i, sc));
+    long long i = t - nvec - head;  // relative to the body: -head .. -1, then past its end
+    if (i >= 0) {
+        if (i >= tail) return;
+        i += nvec * V;
+    }
+    out[i] = apply<T, OP>(operand(a, i, sa), operand(b, i, sb), operand(c, i, sc));
 }
 
 // Rows: a 2-D view (rows x cols) in which every array operand's inner stride is 1 (a row slice)

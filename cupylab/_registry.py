@@ -30,8 +30,9 @@ class OpSpec:
     flops_per_element : int
         Arithmetic operations per output element.
     peers : dict
-        ``{peer name: factory}``; ``factory(framework_module, *inputs)`` returns a zero-argument
-        callable computing the same result with that framework (``None`` if not applicable).
+        ``{peer name: factory}``; ``factory(framework_module, *inputs, out=None)`` returns a
+        zero-argument callable computing the same result with that framework, written into
+        ``out`` when given and the framework can (``None`` if not applicable).
         Peer names used by the bench: ``"torch"``, ``"torch.compile"``, ``"cupy"``, ``"jax"``.
     """
 

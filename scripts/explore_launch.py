@@ -1,12 +1,17 @@
 """Where do small and medium elementwise launches lose to torch, and what do the fp64 division
 and row-broadcast kernels need? Experiments on the H200, one process, every row beside torch.
 
+The library's ew_contig is the winner of these experiments (it was y_contig<.., true> here);
+the "ew_contig" rows time whatever the library has now.
+
 Sections (all GPU times: CUDA events after warm-up, a hold kernel in front when launch-bound,
 median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the bench's Timer):
 
-  sizes    torch vs cl::ew_contig (block 256 / 128) vs the leanest vector kernel (x_vec: 1, 2,
-           4 vectors per thread; 32- and 64-bit index) at 2^10 .. 2^26, fp32/bf16/fp64 add and
-           fp64 div;
+  sizes    torch vs cl::ew_contig, the leanest vector kernel (x_vec, one vector per thread;
+           the first session also had 2 and 4 per thread, blocks of 128, 32-bit indices: none
+           better), x_vec with ew_contig's nine parameters (x_vec_pad) and y_contig (host-side
+           body pointers and sizes; with and without scalar checks) at 2^10 .. 2^24,
+           fp32/bf16/fp64 add and fp64 div;
   graph    GPU time per kernel replayed from a CUDA graph of 100 (1024 elements);
   host     host µs per call, interleaved rounds: launch forms (kernel_params vs one packed
            `extra` buffer) and the public calls beside torch;
@@ -35,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 L2 = cp.cuda.Device().attributes["L2CacheSize"]
 SMS = cp.cuda.Device().attributes["MultiProcessorCount"]
 OPS = {"add": 0, "div": 3}
+SIZES = (10, 14, 16, 18, 20, 22, 24)
 TDT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -45,9 +51,9 @@ def prog(names):
 
 @functools.lru_cache(None)
 def cur_kernel(dt, op):
-    name = f"cl::ew_contig<{dt.ctype}, {op}, {16 // dt.itemsize}>"
+    name = f"cl::ew_contig<{dt.ctype}, {op}, {16 // dt.itemsize}, true>"
     t = dt.fmt
-    return _launch.Kernel(prog([name]), name, ["Q", "Q", "Q", "Q", t, t, t, "q", "q"])
+    return _launch.Kernel(prog([name]), name, ["Q", "Q", "Q", "Q", t, t, t, "q", "q", "q"])
 
 
 @functools.lru_cache(None)
@@ -62,23 +68,34 @@ def buffer_sets(n, tdt, k=3):
     return [[torch.randn(n, device="cuda").to(tdt) for _ in range(k)] for _ in range(nsets)]
 
 
+@functools.lru_cache(None)
+def named_kernel(name, fmts):
+    return _launch.Kernel(prog([name]), name, list(fmts))
+
+
 def variants(dt, op, n):
     """name -> function(a, b, d) launching on the default stream."""
     V = 16 // dt.itemsize
     nvec = n // V
+    t = dt.fmt
     out = {}
     kc = cur_kernel(dt, op)
-    for blk in (256, 128):
-        out[f"ew_contig/{blk}"] = (lambda kc=kc, blk=blk: lambda a, b, d: kc.launch(
-            0, max(1, -(-nvec // blk)), blk, 0,
-            (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, n, 0)))()
-    for vpt, blk, it in ((1, 256, "int"), (1, 128, "int"), (2, 128, "int"), (2, 256, "int"),
-                         (4, 128, "int"), (1, 256, "long long")):
-        kx = x_kernel(dt, op, vpt, it)
-        per = vpt * blk
-        out[f"x_vec{vpt}/{blk}{'/ll' if it != 'int' else ''}"] = (
-            lambda kx=kx, blk=blk, per=per: lambda a, b, d: kx.launch(
-                0, max(1, -(-nvec // per)), blk, 0, (d.data_ptr(), a.data_ptr(), b.data_ptr(), nvec)))()
+    out["ew_contig"] = lambda a, b, d: kc.launch(
+        0, max(1, -(-nvec // 256)), 256, 0,
+        (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, nvec, 0, 0))
+    kx = x_kernel(dt, op, 1, "long long")
+    out["x_vec1"] = lambda a, b, d: kx.launch(
+        0, max(1, -(-nvec // 256)), 256, 0, (d.data_ptr(), a.data_ptr(), b.data_ptr(), nvec))
+    kp = named_kernel(f"clx::x_vec_pad<{dt.ctype}, {op}>", ("Q", "Q", "Q", "Q", t, t, t, "q", "q"))
+    out["x_vec_pad"] = lambda a, b, d: kp.launch(
+        0, max(1, -(-nvec // 256)), 256, 0,
+        (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, nvec, 0))
+    for arr in ("false", "true"):
+        ky = named_kernel(f"clx::y_contig<{dt.ctype}, {op}, {arr}>",
+                          ("Q", "Q", "Q", "Q", t, t, t, "q", "q", "q"))
+        out[f"y_contig/{arr}"] = (lambda ky=ky: lambda a, b, d: ky.launch(
+            0, max(1, -(-nvec // 256)), 256, 0,
+            (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, nvec, 0, 0)))()
     return out
 
 
@@ -88,7 +105,7 @@ def section_sizes(timer):
                           ("float64", "div")):
         dt, tdt, op = _dtypes.DTYPES[dname], TDT[dname], OPS[opname]
         tfn = torch.add if opname == "add" else torch.div
-        for lg in (10, 14, 16, 18, 20, 22, 24, 26):
+        for lg in SIZES:
             n = 1 << lg
             sets = buffer_sets(n, tdt)
             tt = timer.events([lambda s=s: tfn(s[0], s[1], out=s[2]) for s in sets], 5).median

@@ -461,20 +461,21 @@ def test_vector_kernel_every_head_and_tail(dtype):
                     ("mul", (a[sl], 3), (hs[0][sl], 3)),
                     ("fused_add_mul", (a[sl], b[sl], s[sl]), (hs[0][sl], hs[1][sl], hs[2][sl])),
                     ("fused_add_mul", (a[sl], b[sl], 2), (hs[0][sl], hs[1][sl], 2))):
-                out = empty_poisoned("cupy", (size,), dtype)
-                getattr(cupylab, op)(*args, out=out[sl])
-                got = to_f64(to_host(out))
                 ref = reference.reference(op, *[
                     to_f64(h) if isinstance(h, np.ndarray) else
                     (np.float64(h) if dtype in FLOATS else np.int64(h)) for h in hargs],
                                           dtype=dtype if dtype in INTS else None)
                 rtol, atol = reference.tolerance(dtype)
-                np.testing.assert_allclose(got[sl], ref, rtol=rtol, atol=atol,
-                                           err_msg=f"{op} offset {off} n {n}")
-                outside = np.concatenate([got[:off], got[off + n:]])
                 poison = to_f64(np.asarray([poison_value(dtype)]).astype(np_dtype(dtype)))
-                np.testing.assert_array_equal(outside, np.full_like(outside, poison[0]),
-                                              err_msg=f"{op} offset {off} n {n} wrote outside")
+                for kw in ({}, {"stream": 0}):  # the lean path, then the general one
+                    out = empty_poisoned("cupy", (size,), dtype)
+                    getattr(cupylab, op)(*args, out=out[sl], **kw)
+                    got = to_f64(to_host(out))
+                    msg = f"{op} offset {off} n {n} {kw}"
+                    np.testing.assert_allclose(got[sl], ref, rtol=rtol, atol=atol, err_msg=msg)
+                    outside = np.concatenate([got[:off], got[off + n:]])
+                    np.testing.assert_array_equal(outside, np.full_like(outside, poison[0]),
+                                                  err_msg=f"{msg}: wrote outside the view")
 
 
 def test_rows_kernel_more_rows_than_grid_y():

@@ -150,3 +150,26 @@ def test_public_api():
 def test_view_record_repr():
     v = as_view(f32((2, 2)))
     assert "float32" in repr(v) and "(2, 2)" in repr(v)
+
+
+def test_contiguous_plan_peels_head_and_tail_and_picks_the_variant():
+    """The vector path: pointers advanced to the first 16-byte boundary, head/tail counted,
+    the no-scalar instance when every operand the op reads is an array; mixed alignments take
+    the one-element-per-access instance."""
+    from cupylab.ops import elementwise as ew
+
+    f32 = DTYPES["float32"]
+    base = 1 << 20
+    k, grid, ptrs, sizes = ew.contiguous_plan(0, f32, 10, [base + 4, base + 260, base + 516, 0])
+    assert k.name_expression == "cl::ew_contig<float, 0, 4, true>"
+    assert sizes == (1, 3, 3)  # head 3 elements to the boundary, 1 vector, 3 left over
+    assert ptrs == (base + 16, base + 272, base + 528, 0) and grid == 1
+    k, _, ptrs, sizes = ew.contiguous_plan(0, f32, 1000, [base, base + 256, 0, 0])  # y a scalar
+    assert k.name_expression == "cl::ew_contig<float, 0, 4, false>" and sizes == (250, 0, 0)
+    k, _, _, _ = ew.contiguous_plan(4, f32, 1000, [base, base + 256, base + 512, 0])  # s scalar
+    assert k.name_expression == "cl::ew_contig<float, 4, 4, false>"
+    k, grid, ptrs, sizes = ew.contiguous_plan(0, f32, 1000, [base, base + 4, base + 8, 0])
+    assert k.name_expression == "cl::ew_contig<float, 0, 1, false>"
+    assert sizes == (1000, 0, 0) and ptrs == (base, base + 4, base + 8, 0) and grid == 4
+    k, grid, _, sizes = ew.contiguous_plan(0, DTYPES["float16"], 5, [base + 2] * 3 + [0])
+    assert sizes == (0, 5, 0) and grid == 1  # shorter than the way to the boundary: all head

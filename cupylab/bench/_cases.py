@@ -14,7 +14,11 @@ A case
 4. for each requested peer the operator registers: builds the peer on the same operands
    (converted zero-copy through DLPack), checks its result too (with 4x the tolerance: peers
    may round twice), and times it (JAX by wall clock, the others by CUDA events). A peer that is
-   not installed or not registered for the operator is ``None`` ("n/a").
+   not installed or not registered for the operator is ``None`` ("n/a"). Peers that can
+   (torch eager, CuPy) write into the same rotating ``out=`` buffers as cupylab, so both sides
+   move the same bytes; JAX and torch.compile allocate their result (``"out": false`` in the
+   JSON). An allocating peer gets its framework's cached block back on every call, an output
+   that stays in L2 at medium sizes, which a rotating ``out=`` does not.
 """
 from __future__ import annotations
 
@@ -239,15 +243,21 @@ def _run_peer(session, spec, peer, sets, idx, ref, dt, shape, us, notes):
     fw = _frameworks.PEER_FRAMEWORK[peer]
     fns = []
     t_start = None
+    use_out = sets.out_pool is not None and fw != "jax"
+    wrote_out = False
     try:
         for j in range(sets.nsets):
-            f = factory(mod, *sets.inputs(fw, j))
+            kw = {"out": sets.out(fw, j)} if use_out else {}
+            if use_out and j == 0:
+                sets.poison_out(0)  # cupylab's result is there: the peer must write its own
+            f = factory(mod, *sets.inputs(fw, j), **kw)
             r = f()
             if j == 0:
                 _block(fw, mod, session, r)
                 bad = _check(r, idx, ref, dt, shape, PEER_TOL_SCALE)
                 if bad:
                     return {"us": None, "ratio": None, "error": bad}
+                wrote_out = use_out and r is kw["out"]
                 t_start = time.perf_counter()
             fns.append(f)
             del r
@@ -269,7 +279,7 @@ def _run_peer(session, spec, peer, sets, idx, ref, dt, shape, us, notes):
                      "anew for each set; peers.{peer}.buffer_sets in the JSON says how many)"
                      .replace("{peer}", peer))
     return {"us": st.median, "p20": st.p20, "p80": st.p80, "ratio": st.median / max(us, 1e-9),
-            "timing": st.method, "batch": st.batch, "buffer_sets": len(fns)}
+            "timing": st.method, "batch": st.batch, "buffer_sets": len(fns), "out": wrote_out}
 
 
 def _block(fw, mod, session, r):

@@ -180,6 +180,12 @@ class OperandSets:
             got = self._cache[key] = self._wrap(framework, self.out_pool, j)
         return got
 
+    def poison_out(self, j: int) -> None:
+        """Refill set ``j``'s output with 0xFF bytes (before a peer writes it)."""
+        cp, isz = self.cp, self.dt.itemsize
+        cp.cuda.runtime.memsetAsync(self.out_pool.data.ptr + j * self.stride * isz, 0xFF,
+                                    self.n * isz, cp.cuda.get_current_stream().ptr)
+
     def host_inputs(self, j: int, idx) -> list:
         """Set ``j``'s inputs at flat indices ``idx``, as float64/int64 NumPy arrays (read from
         the storage, so bfloat16 needs no ml_dtypes)."""

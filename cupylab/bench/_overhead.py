@@ -9,9 +9,9 @@ Rows, for torch and for CuPy inputs (whichever are usable):
 
 * ``add(x, y, out=z)`` against ``torch.add(x, y, out=z)`` / ``cupy.add(x, y, out=z)``;
 * ``add(x, y)`` (allocating) against ``x + y``;
-* ``fused_add_mul(a, b, s, out=d)`` against the registered peer (torch ``(a + b) * s``, the
-  CuPy ElementwiseKernel);
-* ``cupylab.prepare(fused_add_mul, a, b, s, out=d)()`` when cupylab has ``prepare``;
+* ``fused_add_mul(a, b, s, out=d)`` against the registered peer writing into ``d`` too
+  (torch ``torch.mul(torch.add(a, b), s, out=d)``, the CuPy ElementwiseKernel);
+* ``cupylab.prepare(fused_add_mul, a, b, s, out=d)()`` against the same peer;
 * one ``add(out=)`` replayed inside a CUDA graph of 100 (captured with torch.cuda.CUDAGraph
   for torch inputs, CuPy stream capture for CuPy inputs), against the framework's own add
   captured the same way: µs per add;
@@ -93,12 +93,12 @@ def _torch_rows(torch, cupylab):
              "x + y", lambda: lambda: x + y),
         _row("torch", "fused_add_mul(a, b, s, out=d)",
              lambda: lambda: cupylab.fused_add_mul(a, b, s, out=d),
-             "(a + b) * s",
-             (lambda: fam(torch, a, b, s)) if fam else (lambda: lambda: (a + b) * s)),
+             "torch.mul(torch.add(a, b), s, out=d)", lambda: _torch_fam(torch, fam, a, b, s, d)),
     ]
     rows.append(_row("torch", "prepare(fused_add_mul, a, b, s, out=d)()",
                      lambda: cupylab.prepare(cupylab.fused_add_mul, a, b, s, out=d),
-                     "(a + b) * s", lambda: lambda: (a + b) * s))
+                     "torch.mul(torch.add(a, b), s, out=d)",
+                     lambda: _torch_fam(torch, fam, a, b, s, d)))
     rows.append(_row("torch", f"add(out=) in a torch CUDA graph of {GRAPH_OPS}, per add",
                      lambda: _torch_graph(torch, lambda: cupylab.add(x, y, out=z)),
                      f"torch.add(out=) in a torch CUDA graph of {GRAPH_OPS}",
@@ -109,6 +109,14 @@ def _torch_rows(torch, cupylab):
                      f"torch.add(out=) in a torch CUDA graph of {GRAPH_OPS}",
                      lambda: _torch_graph(torch, lambda: torch.add(x, y, out=z)), GRAPH_OPS))
     return rows
+
+
+def _torch_fam(torch, fam, a, b, s, d):
+    """torch's two-kernel (a + b) * s writing into ``d`` (the registered peer when there is
+    one)."""
+    if fam:
+        return fam(torch, a, b, s, out=d)
+    return lambda: torch.mul(torch.add(a, b), s, out=d)
 
 
 def _cupy_rows(cp, cupylab):
@@ -123,12 +131,13 @@ def _cupy_rows(cp, cupylab):
              "x + y", lambda: lambda: x + y),
         _row("cupy", "fused_add_mul(a, b, s, out=d)",
              lambda: lambda: cupylab.fused_add_mul(a, b, s, out=d),
-             "ElementwiseKernel (a + b) * s" if fam else "(a + b) * s",
-             (lambda: fam(cp, a, b, s)) if fam else (lambda: lambda: (a + b) * s)),
+             "ElementwiseKernel (a + b) * s, out=d" if fam else "cupy.multiply(a + b, s, out=d)",
+             (lambda: fam(cp, a, b, s, out=d)) if fam
+             else (lambda: lambda: cp.multiply(a + b, s, out=d))),
     ]
     rows.append(_row("cupy", "prepare(fused_add_mul, a, b, s, out=d)()",
                      lambda: cupylab.prepare(cupylab.fused_add_mul, a, b, s, out=d),
-                     "(a + b) * s", lambda: lambda: (a + b) * s))
+                     rows[-1]["peer"], rows[-1]["make_peer"]))
     rows.append(_row("cupy", f"add(out=) in a CuPy CUDA graph of {GRAPH_OPS}, per add",
                      lambda: _cupy_graph(cp, lambda: cupylab.add(x, y, out=z)),
                      f"cupy.add(out=) in a CuPy CUDA graph of {GRAPH_OPS}",

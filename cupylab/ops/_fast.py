@@ -16,6 +16,7 @@ from .. import _dtypes, _runtime
 from .. import _launch as _launch_mod
 
 MISS = object()
+_OP_ADD_MUL = 4  # cupylab.ops.elementwise.OPS["fused_add_mul"]: the one op reading c
 
 _kernel = None
 _BLOCK = 256
@@ -40,7 +41,8 @@ def _dtype(op, fdt):
     key = (op, fdt)
     try:
         d = _dtypes.resolve(fdt)
-        info = ((d, _kernel(op, d, "vec"), _kernel(op, d, "scalar"), 16 // d.itemsize)
+        info = ((d, _kernel(op, d, "vec_arrays"), _kernel(op, d, "vec"),
+                 _kernel(op, d, "scalar"), 16 // d.itemsize, op == _OP_ADD_MUL)
                 if d.arithmetic else None)
     except TypeError:
         info = None
@@ -99,8 +101,10 @@ def _scalar(y, i, allow, dt):
 
 
 def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
-    # alignment: the vector path when every array pointer shares its offset modulo 16
-    dt, kvec, kscal, vw = info
+    # alignment: the vector path when every array pointer shares its offset modulo 16; the
+    # kernel takes the pointers of the aligned body and the peeled head/tail lengths
+    # (elementwise.contiguous_plan is the reference version of this)
+    dt, karr, kvec, kscal, vw, three = info
     mod = optr & 15
     isz = dt.itemsize
     if (mod % isz == 0 and (p0 & 15) == mod and (not p1 or (p1 & 15) == mod)
@@ -109,20 +113,27 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
         if head > n:
             head = n
         nvec = (n - head) // vw
-        threads = n - nvec * (vw - 1)  # ew_contig: a thread per vector and per peeled element
-        k = kvec
+        k = karr if (p1 and (p2 or not three)) else kvec
+        if head:
+            off = head * isz
+            optr += off
+            p0 += off
+            if p1:
+                p1 += off
+            if p2:
+                p2 += off
     else:
-        head, threads = 0, n
-        k = kscal
+        head, nvec, k = 0, n, kscal
+    tail = n - head - nvec * vw
     # Kernel.launch, inlined: this is the per-call hot path
     f = k._fns.get(dev) or k.function(dev)
     try:
         buf, _, params = k._tls.bp
     except AttributeError:
         buf, _, params = k._buffers()
-    k._struct.pack_into(buf, 0, optr, p0, p1, p2, 0, s1, s2, n, head)
+    k._struct.pack_into(buf, 0, optr, p0, p1, p2, 0, s1, s2, nvec, head, tail)
     (_launch_mod._driver_launch or _launch_mod._launch_kernel())(
-        f, -(-threads // _BLOCK), 1, 1, _BLOCK, 1, 1, 0, stream, params, 0)
+        f, -(-(nvec + head + tail) // _BLOCK), 1, 1, _BLOCK, 1, 1, 0, stream, params, 0)
 
 
 # _torch and _cupy have the same shape on purpose: each reads its framework's attributes

@@ -32,19 +32,14 @@ def vector_width(dt) -> int:
     return 16 // dt.itemsize
 
 
-def contig_threads(n, head, nvec, vw) -> int:
-    """Threads ``ew_contig`` needs: one per 16-byte vector of the body plus one per peeled
-    head/tail element (``vw``: elements per vector, 1 on the scalar path)."""
-    return nvec + n - nvec * vw
-
-
 def name_expressions(dt):
     """Every kernel instance for one dtype (one NVRTC program per dtype keeps a cold compile
     around a second)."""
     names = []
     for op in OPS.values():
-        names += [f"cl::ew_contig<{dt.ctype}, {op}, {vector_width(dt)}>",
-                  f"cl::ew_contig<{dt.ctype}, {op}, 1>",
+        names += [f"cl::ew_contig<{dt.ctype}, {op}, {vector_width(dt)}, true>",
+                  f"cl::ew_contig<{dt.ctype}, {op}, {vector_width(dt)}, false>",
+                  f"cl::ew_contig<{dt.ctype}, {op}, 1, false>",
                   f"cl::ew_rows<{dt.ctype}, {op}>",
                   f"cl::ew_strided<{dt.ctype}, {op}, int>",
                   f"cl::ew_strided<{dt.ctype}, {op}, long long>"]
@@ -69,10 +64,12 @@ def _kernel(op, dt, variant):
     k = _kernels.get(key)
     if k is None:
         t = dt.fmt
-        if variant == "vec":
-            name, fmts = f"cl::ew_contig<{dt.ctype}, {op}, {vector_width(dt)}>", None
+        if variant == "vec_arrays":  # every operand an array
+            name, fmts = f"cl::ew_contig<{dt.ctype}, {op}, {vector_width(dt)}, true>", None
+        elif variant == "vec":
+            name, fmts = f"cl::ew_contig<{dt.ctype}, {op}, {vector_width(dt)}, false>", None
         elif variant == "scalar":
-            name, fmts = f"cl::ew_contig<{dt.ctype}, {op}, 1>", None
+            name, fmts = f"cl::ew_contig<{dt.ctype}, {op}, 1, false>", None
         elif variant == "rows":
             name = f"cl::ew_rows<{dt.ctype}, {op}>"
             fmts = ["Q", "Q", "Q", "Q", t, t, t, "q", "q", "q", "q", "q", "q", "i"]
@@ -82,7 +79,7 @@ def _kernel(op, dt, variant):
             i = "i" if variant == "strided32" else "q"
             fmts = ["Q", "Q", "Q", "Q", t, t, t, i, "i"] + [f"{MAXD}{i}"] * 5
         if fmts is None:
-            fmts = ["Q", "Q", "Q", "Q", t, t, t, "q", "q"]
+            fmts = ["Q", "Q", "Q", "Q", t, t, t, "q", "q", "q"]
         k = _kernels.setdefault(key, _launch.Kernel(program(dt), name, fmts))
     return k
 
@@ -123,23 +120,29 @@ def _wait_producers(c):
 
 
 def contiguous_plan(op, dt, n, ptrs):
-    """Kernel, grid and the per-call size arguments for C-contiguous operands: the 16-byte
-    vector path when every pointer has the same offset modulo 16 (``head`` elements before
-    the first boundary are peeled), else one element per access."""
+    """Kernel, grid and pointer/size arguments for C-contiguous operands (``ptrs``: output,
+    then three inputs, 0 for a scalar or a missing operand). The 16-byte vector path when every
+    pointer has the same offset modulo 16: ``head`` elements before the first 16-byte boundary
+    and ``tail`` after the last whole vector are peeled, and the pointers passed are those of
+    the aligned body. Otherwise one element per access. Returns ``(kernel, grid, (out, a, b,
+    c), (nvec, head, tail))``."""
     isz = dt.itemsize
     mod = ptrs[0] % 16
     if mod % isz == 0 and all(p % 16 == mod for p in ptrs if p):
         vw = 16 // isz
         head = min(n, ((16 - mod) % 16) // isz)
         nvec = (n - head) // vw
-        k = _kernel(op, dt, "vec")
+        used = ptrs[1:4] if op == OPS["fused_add_mul"] else ptrs[1:3]
+        k = _kernel(op, dt, "vec_arrays" if all(used) else "vec")
     else:
         vw, head, nvec = 1, 0, n
         k = _kernel(op, dt, "scalar")
-    grid = max(1, -(-contig_threads(n, head, nvec, vw) // BLOCK))
+    tail = n - head - nvec * vw
+    grid = max(1, -(-(nvec + head + tail) // BLOCK))
     if grid > _INT32_MAX:
         raise ValueError(f"{list(OPS)[op]}: {n} elements is more than one launch can cover")
-    return k, grid, head
+    off = head * isz
+    return k, grid, tuple(p + off if p else 0 for p in ptrs), (nvec, head, tail)
 
 
 def plan(op, c):
@@ -162,8 +165,8 @@ def plan(op, c):
         contiguous = len(sh) <= 1 and all(
             st == (1,) or not st for st, v in zip(sts, [o] + views) if v is not None)
     if contiguous:
-        k, grid, head = contiguous_plan(op, dt, n, [o.ptr] + ptrs)
-        return k, grid, (o.ptr, ptrs[0], ptrs[1], ptrs[2], scal[0], scal[1], scal[2], n, head)
+        k, grid, bp, sizes = contiguous_plan(op, dt, n, [o.ptr] + ptrs)
+        return k, grid, bp + (scal[0], scal[1], scal[2]) + sizes
     head_args = (o.ptr, ptrs[0], ptrs[1], ptrs[2], scal[0], scal[1], scal[2])
     r = _rows_plan(op, dt, sh, sts, [o] + views)
     if r is not None:
@@ -393,22 +396,29 @@ def _register():
     def _is_int(x):
         return str(getattr(x, "dtype", "")).split(".")[-1].startswith("int")
 
+    # Peers write into ``out`` when the bench gives one (the same rotating buffers cupylab
+    # writes), so both sides stream the same bytes; JAX and torch.compile allocate.
     def binary_peers(torch_name, cupy_name, jax_name):
         if torch_name == "div":  # cupylab's integer div is floor division: compare like with like
             return {
-                "torch": lambda torch, x, y: (
-                    (lambda: torch.div(x, y, rounding_mode="floor")) if _is_int(x)
-                    else (lambda: torch.div(x, y))),
+                "torch": lambda torch, x, y, out=None: (
+                    (lambda: torch.div(x, y, rounding_mode="floor", out=out)) if _is_int(x)
+                    else (lambda: torch.div(x, y, out=out))),
                 "torch.compile": None,
-                "cupy": lambda cp, x, y: (lambda: (cp.floor_divide if _is_int(x) else cp.divide)(x, y)),
-                "jax": lambda jax, x, y: (
-                    lambda f=jax.jit(jax.numpy.floor_divide if _is_int(x) else jax.numpy.divide): f(x, y)),
+                "cupy": lambda cp, x, y, out=None: (
+                    lambda f=cp.floor_divide if _is_int(x) else cp.divide: f(x, y, out=out)),
+                "jax": lambda jax, x, y, out=None: (
+                    lambda f=jax.jit(jax.numpy.floor_divide if _is_int(x)
+                                     else jax.numpy.divide): f(x, y)),
             }
         return {
-            "torch": lambda torch, x, y: (lambda: getattr(torch, torch_name)(x, y)),
+            "torch": lambda torch, x, y, out=None: (
+                lambda f=getattr(torch, torch_name): f(x, y, out=out)),
             "torch.compile": None,  # one kernel already: nothing for Inductor to fuse
-            "cupy": lambda cp, x, y: (lambda: getattr(cp, cupy_name)(x, y)),
-            "jax": lambda jax, x, y: (lambda f=jax.jit(getattr(jax.numpy, jax_name)): f(x, y)),
+            "cupy": lambda cp, x, y, out=None: (
+                lambda f=getattr(cp, cupy_name): f(x, y, out=out)),
+            "jax": lambda jax, x, y, out=None: (
+                lambda f=jax.jit(getattr(jax.numpy, jax_name)): f(x, y)),
         }
 
     for name, (tn, cn, jn) in {"vector_add": ("add", "add", "add"), "add": ("add", "add", "add"),
@@ -421,18 +431,20 @@ def _register():
             peers=binary_peers(tn, cn, jn),
             description=f"out = x {'+' if 'add' in name else {'sub': '-', 'mul': '*', 'div': '/'}[name]} y"))
 
-    def _torch_fam(torch, a, b, s):
-        return lambda: (a + b) * s
+    def _torch_fam(torch, a, b, s, out=None):
+        if out is None:
+            return lambda: (a + b) * s
+        return lambda: torch.mul(torch.add(a, b), s, out=out)
 
-    def _torch_compile_fam(torch, a, b, s):
+    def _torch_compile_fam(torch, a, b, s, out=None):
         f = torch.compile(lambda a, b, s: (a + b) * s)
         return lambda: f(a, b, s)
 
-    def _cupy_fam(cp, a, b, s):
+    def _cupy_fam(cp, a, b, s, out=None):
         k = cp.ElementwiseKernel("T a, T b, T s", "T o", "o = (a + b) * s", "cupylab_peer_fam")
-        return lambda: k(a, b, s)
+        return (lambda: k(a, b, s)) if out is None else (lambda: k(a, b, s, out))
 
-    def _jax_fam(jax, a, b, s):
+    def _jax_fam(jax, a, b, s, out=None):
         f = jax.jit(lambda a, b, s: (a + b) * s)
         return lambda: f(a, b, s)
 
