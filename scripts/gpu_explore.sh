@@ -9,7 +9,7 @@
 # Usage: scripts/gpu_explore.sh OUTDIR   (STEPS picks steps; logs and results.tgz in OUTDIR)
 set -u
 cd "$(dirname "$0")/.."
-OUT=${1:-out}; mkdir -p "$OUT/r"
+OUT=${1:-out}; mkdir -p "$OUT/r"; OUT=$(cd "$OUT" && pwd); ROOT=$PWD
 export PYTHONUNBUFFERED=1 CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-/tmp/clc}
 STEPS=${STEPS:-cli explore ncu}
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -49,12 +49,12 @@ PY
 fi
 if has sweep; then
   (export PYTHONPATH=$SITE; cd /tmp && BENCH="$PFX/bin/cupylab-bench" REPEAT=${REPEAT:-3} \
-    PEERS=${PEERS:-torch,cupy} bash "$OLDPWD/scripts/bench_sweep.sh" "$OLDPWD/$OUT/r/sweep") \
+    PEERS=${PEERS:-torch,cupy} bash "$ROOT/scripts/bench_sweep.sh" "$OUT/r/sweep") \
     > "$OUT/sweep_run.log" 2>&1
   echo "sweep rc=$?"; grep -E "^\+|exit|done" "$OUT/sweep_run.log"
 fi
 if has host; then
-  (cd scripts && PYTHONPATH=$OLDPWD python3 host_profile.py) > "$OUT/r/host_profile.log" 2>&1
+  (cd scripts && PYTHONPATH=$ROOT python3 host_profile.py) > "$OUT/r/host_profile.log" 2>&1
   echo "host rc=$?"; cat "$OUT/r/host_profile.log"
 fi
 tar czf "$OUT/results.tgz" -C "$OUT/r" . && rm -rf "$OUT/r"
