@@ -173,3 +173,39 @@ def test_contiguous_plan_peels_head_and_tail_and_picks_the_variant():
     assert sizes == (1000, 0, 0) and ptrs == (base, base + 4, base + 8, 0) and grid == 4
     k, grid, _, sizes = ew.contiguous_plan(0, DTYPES["float16"], 5, [base + 2] * 3 + [0])
     assert sizes == (0, 5, 0) and grid == 1  # shorter than the way to the boundary: all head
+
+
+def test_lean_launch_matches_contiguous_plan(monkeypatch):
+    """ops/_fast's inlined launch packs the same kernel, grid and arguments as
+    elementwise.contiguous_plan for every alignment mix and size (no GPU: the driver call
+    is recorded)."""
+    import struct
+
+    from cupylab import _launch
+    from cupylab.ops import _fast, elementwise as ew
+
+    calls = []
+    monkeypatch.setattr(_launch, "_driver_launch", lambda *a: calls.append(a))
+    base = 1 << 24
+    for name in ("float16", "float32", "float64"):
+        dt = DTYPES[name]
+        for op in (0, 4):
+            ks = {v: ew._kernel(op, dt, v) for v in ("vec_arrays", "vec", "scalar")}
+            for h, k in enumerate(ks.values(), 1):
+                monkeypatch.setitem(k._fns, 0, h)  # a CUfunction handle: nothing compiles
+            info = (dt, ks["vec_arrays"], ks["vec"], ks["scalar"], 16 // dt.itemsize, op == 4)
+            for n in (1, 2, 3, 7, 8, 9, 100, 1001):
+                for offs in ((0, 0, 0, 0), (4, 4, 4, 4), (2, 2, 2, 2), (8, 8, 0, 8), (0, 4, 8, 0),
+                             (12, 12, 12, 12), (6, 6, 6, 6), (0, 0, 0, None), (4, 4, None, 4)):
+                    ptrs = [0 if o is None else base + (i << 16) + o for i, o in enumerate(offs)]
+                    if op == 0:
+                        ptrs[3] = 0
+                    k, grid, bp, sizes = ew.contiguous_plan(op, dt, n, ptrs)
+                    calls.clear()
+                    _fast._launch(info, n, ptrs[0], ptrs[1], ptrs[2], ptrs[3], 0, 0, 0, 0)
+                    (f, gx, gy, gz, bx, *_rest), = calls
+                    buf = k._tls.bp[0]
+                    got = struct.unpack_from(k._struct.format, buf)
+                    where = f"{name} op {op} n {n} offsets {offs}"
+                    assert f == k._fns[0] and (gx, gy, gz, bx) == (grid, 1, 1, ew.BLOCK), where
+                    assert got[:4] == bp and got[7:] == sizes, where

@@ -113,6 +113,7 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
         if head > n:
             head = n
         nvec = (n - head) // vw
+        tail = n - head - nvec * vw
         k = karr if (p1 and (p2 or not three)) else kvec
         if head:
             off = head * isz
@@ -123,8 +124,7 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
             if p2:
                 p2 += off
     else:
-        head, nvec, k = 0, n, kscal
-    tail = n - head - nvec * vw
+        head, nvec, tail, k = 0, n, 0, kscal
     # Kernel.launch, inlined: this is the per-call hot path
     f = k._fns.get(dev) or k.function(dev)
     try:
