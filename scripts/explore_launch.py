@@ -209,7 +209,7 @@ def section_host():
     x, y, z = (torch.randn(1024, device="cuda") for _ in range(3))
     k = cur_kernel(dt, 0)
     f = k.function(0)
-    args = (z.data_ptr(), x.data_ptr(), y.data_ptr(), 0, 0.0, 0.0, 0.0, 1024, 0)
+    args = (z.data_ptr(), x.data_ptr(), y.data_ptr(), 0, 0.0, 0.0, 0.0, 256, 0, 0)
     buf, _, params = k._buffers()
     k._struct.pack_into(buf, 0, *args)
     size = ctypes.c_size_t(k._size)
@@ -275,6 +275,22 @@ def section_rows(timer):
 
 
 
+def section_memcpy(timer):
+    print("\n== memcpy: device-to-device copy moving as many bytes as an operator call ==",
+          flush=True)
+    for label, traffic in (("bf16 add 2^24 (96 MB)", 96 << 20),
+                           ("fp32 add 2^24 (192 MB)", 192 << 20),
+                           ("bf16 add 2^26 (384 MB)", 384 << 20), ("1 GiB copy", 2 << 30)):
+        half = traffic // 2
+        nsets = max(2, math.ceil(2 * L2 / traffic))
+        bufs = [(cp.empty(half, cp.uint8), cp.empty(half, cp.uint8)) for _ in range(nsets)]
+        fns = [lambda s=s_: cp.cuda.runtime.memcpyAsync(s[1].data.ptr, s[0].data.ptr, half, 3, 0)
+               for s_ in bufs]
+        us = timer.events(fns, 7).median
+        print(f"{label:24s} {us:8.2f} us  {traffic / us / 1e3:6.0f} GB/s", flush=True)
+        del bufs, fns
+
+
 def ncu_cases():
     """One call of each case, for `ncu --clock-control none` to profile."""
     for dname, lgs in (("float32", (10, 16, 20, 22)), ("bfloat16", (20, 24)), ("float64", (20, 24))):
@@ -305,5 +321,7 @@ if __name__ == "__main__":
         section_graph(timer)
     if "rows" in want:
         section_rows(timer)
+    if "memcpy" in want:
+        section_memcpy(timer)
     if "sizes" in want:
         section_sizes(timer)

@@ -28,12 +28,12 @@ y = torch.randn(1024, device="cuda")
 z = torch.empty_like(x)
 cupylab.add(x, y, out=z)
 dt = ew._dtypes.DTYPES["float32"]
-k = ew._kernel(0, dt, "vec")
+k = ew._kernel(0, dt, "vec_arrays")
 f = k.function(0)
 from cupy_backends.cuda.api import driver  # noqa: E402
 
-buf, _, params = k._tls.bp
-args = (z.data_ptr(), x.data_ptr(), y.data_ptr(), 0, 0.0, 0.0, 0.0, 1024, 0)
+buf, _, params = k._buffers()
+args = (z.data_ptr(), x.data_ptr(), y.data_ptr(), 0, 0.0, 0.0, 0.0, 256, 0, 0)
 raw = torch._C._cuda_getCurrentRawStream
 
 bench("torch.add(x, y, out=z)", lambda: torch.add(x, y, out=z))
