@@ -1,6 +1,7 @@
 // Experimental kernel shapes for scripts/explore_launch.py (not part of the library): what
 // makes a small or medium elementwise launch slower than torch's, and what the fp64 division and
 // row-broadcast kernels need. Each variant computes out = OP(a, b) like cl::ew_contig does.
+// (The "y_contig" variant of the logs became cl::ew_contig; the script now times that.)
 #include "elementwise.cu"
 
 namespace clx {
@@ -53,39 +54,6 @@ x_vec_pad(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b,
         for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra.v[k], rb.v[k], ra.v[k]);
         reinterpret_cast<VT*>(out)[j] = r;
     }
-}
-
-// ew_contig with everything the host can compute passed in: pointers to the aligned body
-// (base + head), the vector count and the tail length; ARR = every operand an array (no null
-// checks).
-template <typename T, int OP, bool ARR>
-__global__ void __launch_bounds__(256)
-y_contig(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b,
-         const T* __restrict__ c, T sa, T sb, T sc, long long nvec, long long head,
-         long long tail) {
-    constexpr int V = 16 / sizeof(T);
-    typedef Vec<T, V> VT;
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t < nvec) {
-        VT ra, rb, rc, r;
-        if (ARR || a) ra = reinterpret_cast<const VT*>(a)[t]; else splat(ra, sa);
-        if (ARR || b) rb = reinterpret_cast<const VT*>(b)[t]; else splat(rb, sb);
-        if (OP == OP_ADD_MUL) {
-            if (ARR || c) rc = reinterpret_cast<const VT*>(c)[t]; else splat(rc, sc);
-        } else {
-            rc = ra;
-        }
-#pragma unroll
-        for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra.v[k], rb.v[k], rc.v[k]);
-        reinterpret_cast<VT*>(out)[t] = r;
-        return;
-    }
-    long long i = t - nvec - head;  // relative to the body: -head .. -1, then past its end
-    if (i >= 0) {
-        if (i >= tail) return;
-        i += nvec * V;
-    }
-    out[i] = apply<T, OP>(operand(a, i, sa), operand(b, i, sb), operand(c, i, sc));
 }
 
 // Row broadcast out[r, :] = OP(a[r, :], b[:]) with the row operand kept in registers across

@@ -1,16 +1,16 @@
 """Where do small and medium elementwise launches lose to torch, and what do the fp64 division
 and row-broadcast kernels need? Experiments on the H200, one process, every row beside torch.
 
-The library's ew_contig is the winner of these experiments (it was y_contig<.., true> here);
-the "ew_contig" rows time whatever the library has now.
+The library's ew_contig is the winner of these experiments (it was "y_contig" in the logs of
+docs/perf/); the "ew_contig" rows time whatever the library has now.
 
 Sections (all GPU times: CUDA events after warm-up, a hold kernel in front when launch-bound,
 median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the bench's Timer):
 
   sizes    torch vs cl::ew_contig, the leanest vector kernel (x_vec, one vector per thread;
            the first session also had 2 and 4 per thread, blocks of 128, 32-bit indices: none
-           better), x_vec with ew_contig's nine parameters (x_vec_pad) and y_contig (host-side
-           body pointers and sizes; with and without scalar checks) at 2^10 .. 2^24,
+           better), x_vec with ew_contig's nine parameters (x_vec_pad) and ew_contig's instance
+           with scalar checks at 2^10 .. 2^24,
            fp32/bf16/fp64 add and fp64 div;
   graph    GPU time per kernel replayed from a CUDA graph of 100 (1024 elements);
   host     host µs per call, interleaved rounds: launch forms (kernel_params vs one packed
@@ -90,12 +90,12 @@ def variants(dt, op, n):
     out["x_vec_pad"] = lambda a, b, d: kp.launch(
         0, max(1, -(-nvec // 256)), 256, 0,
         (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, nvec, 0))
-    for arr in ("false", "true"):
-        ky = named_kernel(f"clx::y_contig<{dt.ctype}, {op}, {arr}>",
-                          ("Q", "Q", "Q", "Q", t, t, t, "q", "q", "q"))
-        out[f"y_contig/{arr}"] = (lambda ky=ky: lambda a, b, d: ky.launch(
-            0, max(1, -(-nvec // 256)), 256, 0,
-            (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, nvec, 0, 0)))()
+    # the library's instance with the per-operand scalar checks (calls with a scalar operand)
+    ks = named_kernel(f"cl::ew_contig<{dt.ctype}, {op}, {V}, false>",
+                      ("Q", "Q", "Q", "Q", t, t, t, "q", "q", "q"))
+    out["ew_contig/scalar-checks"] = lambda a, b, d: ks.launch(
+        0, max(1, -(-nvec // 256)), 256, 0,
+        (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, nvec, 0, 0))
     return out
 
 
