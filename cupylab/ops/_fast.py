@@ -16,10 +16,10 @@ from .. import _dtypes, _runtime
 from .. import _launch as _launch_mod
 
 MISS = object()
+_OP_ADD_MUL = 4  # cupylab.ops.elementwise.OPS["fused_add_mul"]: the one op reading c
 
 _kernel = None
 _BLOCK = 256
-_OP_ADD_MUL = None  # the one operator that reads a third operand
 _handlers: dict = {}
 _kinfo: dict = {}  # (op, framework dtype object) -> DType or None
 _get_device = None
@@ -29,11 +29,10 @@ _cupy_empty = None
 _torch_empty_like = None
 
 
-def bind(kernel_fn, block, op_add_mul):
-    """Called once by cupylab.ops.elementwise with its kernel lookup, block size and the
-    operator code of ``fused_add_mul``."""
-    global _kernel, _BLOCK, _OP_ADD_MUL
-    _kernel, _BLOCK, _OP_ADD_MUL = kernel_fn, block, op_add_mul
+def bind(kernel_fn, block):
+    """Called once by cupylab.ops.elementwise with its kernel lookup and block size."""
+    global _kernel, _BLOCK
+    _kernel, _BLOCK = kernel_fn, block
 
 
 def _dtype(op, fdt):

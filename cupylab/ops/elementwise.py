@@ -467,4 +467,4 @@ _PREPARABLE = {
     vector_add: ("vector_add", ("x", "y"), (False, False), "add"),
     fused_add_mul: ("fused_add_mul", ("a", "b", "s"), (False, False, True), "fused_add_mul"),
 }
-_fast.bind(_kernel, BLOCK, OPS["fused_add_mul"])
+_fast.bind(_kernel, BLOCK)
