@@ -17,7 +17,12 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
            `extra` buffer) and the public calls beside torch;
   rows     row broadcast (8192 x 8192): torch, cupylab.add, and x_rowbcast with the row
            operand kept in registers;
-  ncu      (--ncu) one call of each case for Nsight Compute to profile.
+  hints    16-bit and fp32 add at 2^24/2^26/2^28: cache-policy variants (x_hint<LD, ST>)
+           beside torch, ew_contig and cupylab.add;
+  burst    host cost per launch with the GPU free-running vs held busy (host- or GPU-bound?);
+  lean     host cost of a flatter torch lean path (prototype) beside the library's;
+  ncu      (--ncu) one call of each case for Nsight Compute to profile;
+  ncu16    (--ncu16) bf16/fp32 add at 2^26, torch, ew_contig and x_hint variants.
 
 Usage: python scripts/explore_launch.py [SECTION ...] | --ncu
 """
@@ -41,7 +46,8 @@ L2 = cp.cuda.Device().attributes["L2CacheSize"]
 SMS = cp.cuda.Device().attributes["MultiProcessorCount"]
 OPS = {"add": 0, "div": 3}
 SIZES = (10, 14, 16, 18, 20, 22, 24)
-TDT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+TDT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64,
+       "float16": torch.float16}
 
 
 def prog(names):
@@ -306,10 +312,153 @@ def ncu_cases():
     torch.cuda.synchronize()
 
 
+HINTS = ((0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (0, 1), (1, 1), (2, 1), (0, 2))
+
+
+def section_hints(timer):
+    print("\n== hints: cache-policy variants of one vector per thread (x_hint<LD, ST>), add, "
+          "GPU us (median of 3 interleaved rounds), ratio torch/variant ==", flush=True)
+    for dname in ("bfloat16", "float16", "float32"):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        V = 16 // dt.itemsize
+        for lg in (24, 26, 28):
+            n = 1 << lg
+            nvec = n // V
+            sets = buffer_sets(n, tdt)
+            grid = -(-nvec // 256)
+            fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2]),
+                   "cupylab.add": lambda s: cupylab.add(s[0], s[1], out=s[2])}
+            kc = cur_kernel(dt, 0)
+            fns["ew_contig"] = lambda s, kc=kc: kc.launch(
+                0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(), 0, 0, 0, 0,
+                                  nvec, 0, 0))
+            for ld, st in HINTS:
+                k = named_kernel(f"clx::x_hint<{dt.ctype}, 0, {ld}, {st}>", ("Q", "Q", "Q", "q"))
+                fns[f"ld{ld}st{st}"] = lambda s, k=k: k.launch(
+                    0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(), nvec))
+            res = {k_: [] for k_ in fns}
+            for _ in range(3):
+                for name, f in fns.items():
+                    res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
+            med = {k_: statistics.median(v) for k_, v in res.items()}
+            tt = med["torch"]
+            print(f"{dname:8s} 2^{lg} torch {tt:7.2f} ({3 * n * dt.itemsize / tt / 1e3:4.0f} GB/s) | "
+                  + " | ".join(f"{k_} {v:7.2f} ({tt / v:5.3f})" for k_, v in med.items()
+                               if k_ != "torch"), flush=True)
+            del sets, fns
+
+
+def section_burst():
+    print("\n== burst: host us per launch of an empty kernel, GPU held busy by a long kernel "
+          "first (host-bound if it matches the free-running loop) ==", flush=True)
+    from cupy_backends.cuda.api import driver
+    ke = _launch.Kernel(prog(["clx::x_empty"]), "clx::x_empty", [])
+    fe = ke.function(0)
+    L = driver.launchKernel
+    x, y, z = (torch.randn(1024, device="cuda") for _ in range(3))
+    for label, fn in (("cuLaunchKernel (CuPy binding)", lambda: L(fe, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0)),
+                      ("torch.add(x, y, out=z)", lambda: torch.add(x, y, out=z)),
+                      ("cupylab.add(x, y, out=z)", lambda: cupylab.add(x, y, out=z))):
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        free, held = [], []
+        for _ in range(7):
+            t = time.perf_counter()
+            for _ in range(300):
+                fn()
+            free.append((time.perf_counter() - t) / 300 * 1e6)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)  # ~ tens of ms of GPU time
+            t = time.perf_counter()
+            for _ in range(300):
+                fn()
+            held.append((time.perf_counter() - t) / 300 * 1e6)
+            torch.cuda.synchronize()
+        print(f"{label:32s} free-running {statistics.median(free):6.3f} us | behind a busy GPU "
+              f"{statistics.median(held):6.3f} us", flush=True)
+
+
+def section_lean():
+    print("\n== lean: host us per call, 1024 fp32, out=, interleaved rounds: how much of the gap "
+          "to torch a flatter lean path (all checks kept, one function) closes ==", flush=True)
+    from cupylab.ops import _fast
+    x, y, z = (torch.randn(1024, device="cuda") for _ in range(3))
+    cupylab.add(x, y, out=z)
+    info = _fast._kinfo[(0, torch.float32)]
+    getdev = cp.cuda.runtime.getDevice
+    raw = torch._C._cuda_getCurrentRawStream
+    launch = _fast._launch
+    TT = torch.Tensor
+
+    def proto(x, y, out):
+        fdt = x.dtype
+        if type(y) is not TT or type(out) is not TT or y.dtype is not fdt or out.dtype is not fdt:
+            return None
+        dev = x.get_device()
+        shape = x.shape
+        if (x.requires_grad or y.requires_grad or out.requires_grad or x.is_neg() or y.is_neg()
+                or out.is_neg() or not x.is_contiguous() or not y.is_contiguous()
+                or not out.is_contiguous() or y.shape != shape or out.shape != shape
+                or y.get_device() != dev or out.get_device() != dev or dev < 0
+                or getdev() != dev):
+            return None
+        n = x.numel()
+        p0, p1, po = x.data_ptr(), y.data_ptr(), out.data_ptr()
+        nb = n * 4
+        if (p0 != po and -nb < p0 - po < nb) or (p1 != po and -nb < p1 - po < nb):
+            return None
+        launch(info, n, po, p0, p1, 0, 0, 0, dev, raw(dev))
+        return out
+
+    cases = {
+        "torch.add(x, y, out=z)": lambda: torch.add(x, y, out=z),
+        "cupylab.add(x, y, out=z)": lambda: cupylab.add(x, y, out=z),
+        "_fast.run(0, (x, y), z)": lambda: _fast.run(0, (x, y), z, None),
+        "flat prototype(x, y, z)": lambda: proto(x, y, z),
+        "_fast._launch only": lambda: launch(info, 1024, z.data_ptr(), x.data_ptr(),
+                                             y.data_ptr(), 0, 0, 0, 0, raw(0)),
+    }
+    res = {k_: [] for k_ in cases}
+    for fn in cases.values():
+        for _ in range(300):
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(9):
+        for name, fn in cases.items():
+            t = time.perf_counter()
+            for _ in range(2000):
+                fn()
+            torch.cuda.synchronize()
+            res[name].append((time.perf_counter() - t) / 2000 * 1e6)
+    for name, v in res.items():
+        print(f"{name:36s} {statistics.median(v):7.3f} us  (min {min(v):.3f}, max {max(v):.3f})")
+
+
+def ncu16_cases():
+    """bf16 and fp32 add at 2^26: torch, ew_contig and the x_hint variants, one call each."""
+    for dname in ("bfloat16", "float32"):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        n = 1 << 26
+        nvec = n // (16 // dt.itemsize)
+        grid = -(-nvec // 256)
+        a, b, d = (torch.randn(n, device="cuda").to(tdt) for _ in range(3))
+        args4 = (d.data_ptr(), a.data_ptr(), b.data_ptr(), nvec)
+        torch.add(a, b, out=d)
+        cupylab.add(a, b, out=d)
+        for ld, st in ((1, 0), (2, 1), (3, 0)):
+            named_kernel(f"clx::x_hint<{dt.ctype}, 0, {ld}, {st}>", ("Q", "Q", "Q", "q")).launch(
+                0, grid, 256, 0, args4)
+    torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args == ["--ncu"]:
         ncu_cases()
+        sys.exit(0)
+    if args == ["--ncu16"]:
+        ncu16_cases()
         sys.exit(0)
     want = set(args) or {"sizes", "graph", "host", "rows"}
     print(f"GPU: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {SMS} SMs, "
@@ -325,3 +474,9 @@ if __name__ == "__main__":
         section_memcpy(timer)
     if "sizes" in want:
         section_sizes(timer)
+    if "hints" in want:
+        section_hints(timer)
+    if "burst" in want:
+        section_burst()
+    if "lean" in want:
+        section_lean()

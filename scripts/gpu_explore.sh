@@ -4,6 +4,7 @@
 #            its `cupylab-bench` console script's quick suite, run from another directory;
 #   explore  scripts/explore_launch.py (launch-shape experiments beside torch);
 #   ncu      Nsight Compute on torch's and cupylab's elementwise kernels;
+#   ncu16    the same for bf16/fp32 add at 2^26 with the cache-policy variants (traffic, stalls);
 #   sweep    scripts/bench_sweep.sh with the installed console script (needs cli);
 #   host     scripts/host_profile.py (where the host time of a small call goes).
 # Usage: scripts/gpu_explore.sh OUTDIR   (STEPS picks steps; logs and results.tgz in OUTDIR)
@@ -27,25 +28,40 @@ if has explore; then
   PYTHONPATH=$PWD python3 scripts/explore_launch.py ${EXPLORE:-} > "$OUT/explore.log" 2>&1
   echo "explore rc=$?"; cat "$OUT/explore.log"
 fi
-if has ncu; then
-  PYTHONPATH=$PWD ncu --clock-control none --csv --metrics \
-launch__grid_size,launch__block_size,launch__registers_per_thread,gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes.sum,smsp__inst_executed.sum \
-    python3 scripts/explore_launch.py --ncu > "$OUT/r/ncu.csv" 2> "$OUT/r/ncu.err"
-  echo "ncu rc=$?"
-  python3 - "$OUT/r/ncu.csv" <<'PY' > "$OUT/ncu.txt"
+run_ncu() {  # run_ncu NAME MODE METRICS: Nsight Compute over `explore_launch.py MODE`
+  PYTHONPATH=$ROOT ncu --clock-control none --csv --metrics "$3" \
+    python3 scripts/explore_launch.py "$2" > "$OUT/r/$1.csv" 2> "$OUT/r/$1.err"
+  echo "$1 rc=$?"
+  python3 - "$OUT/r/$1.csv" <<'PY' > "$OUT/$1.txt"
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 hdr = rows[0]
 iK, iM, iV, iID = (hdr.index(k) for k in ("Kernel Name", "Metric Name", "Metric Value", "ID"))
 by = {}
 for r in rows[1:]:
-    if not any(t in r[iK] for t in ("cl::", "CUDAFunctor", "BinaryFunctor")):
+    if not any(t in r[iK] for t in ("cl::", "clx::", "CUDAFunctor", "BinaryFunctor")):
         continue  # torch's input generation and copies
     by.setdefault((int(r[iID]), r[iK][:48]), {})[r[iM]] = r[iV]
 for (i, k), m in sorted(by.items()):
-    print(i, k, " ".join(f"{n.split('__')[1][:20]}={v}" for n, v in sorted(m.items())))
+    print(i, k, " ".join(f"{n.split('__', 1)[1][:40]}={v}" for n, v in sorted(m.items())))
 PY
-  cat "$OUT/ncu.txt"
+  cat "$OUT/$1.txt"
+}
+if has ncu; then
+  run_ncu ncu --ncu launch__grid_size,launch__block_size,launch__registers_per_thread,\
+gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes.sum,\
+smsp__inst_executed.sum
+fi
+if has ncu16; then
+  # bf16/fp32 add at 2^26: torch, ew_contig, x_hint variants; DRAM and L2 traffic, stalls
+  run_ncu ncu16 --ncu16 launch__grid_size,launch__block_size,launch__registers_per_thread,\
+gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_op_read.sum,\
+lts__t_sectors_op_write.sum,lts__t_sector_hit_rate.pct,smsp__inst_executed.sum,\
+sm__warps_active.avg.pct_of_peak_sustained_active,\
+smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_drain_per_issue_active.ratio
 fi
 if has sweep; then
   (export PYTHONPATH=$SITE; cd /tmp && BENCH="$PFX/bin/cupylab-bench" REPEAT=${REPEAT:-3} \
