@@ -348,6 +348,42 @@ def section_hints(timer):
             del sets, fns
 
 
+def section_hints2(timer):
+    print("\n== hints2: ld.cs + st.cs (x_hint<2, 1>) vs default (x_hint<0, 0>) by size, alone and "
+          "chained (y = a + b; z = y + c: does an evict-first store cost the consumer its L2 "
+          "hit?), GPU us, median of 3 interleaved rounds, ratio torch/variant ==", flush=True)
+    for dname in ("bfloat16", "float32"):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        V = 16 // dt.itemsize
+        for lg in (20, 21, 22, 23, 24, 25):
+            n = 1 << lg
+            nvec = n // V
+            grid = -(-nvec // 256)
+            sets = buffer_sets(n, tdt, k=5)
+            fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2]),
+                   "torch chain": lambda s: (torch.add(s[0], s[1], out=s[2]),
+                                             torch.add(s[2], s[3], out=s[4]))}
+            for ld, st in ((0, 0), (2, 1)):
+                k = named_kernel(f"clx::x_hint<{dt.ctype}, 0, {ld}, {st}>", ("Q", "Q", "Q", "q"))
+
+                def one(s, k=k, i=0, j=1, o=2):
+                    k.launch(0, grid, 256, 0, (s[o].data_ptr(), s[i].data_ptr(),
+                                               s[j].data_ptr(), nvec))
+                fns[f"ld{ld}st{st}"] = one
+                fns[f"ld{ld}st{st} chain"] = lambda s, one=one: (one(s), one(s, 2, 3, 4))
+            res = {k_: [] for k_ in fns}
+            for _ in range(3):
+                for name, f in fns.items():
+                    res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
+            med = {k_: statistics.median(v) for k_, v in res.items()}
+            row = []
+            for k_, v in med.items():
+                ref = med["torch chain" if k_.endswith("chain") else "torch"]
+                row.append(f"{k_} {v:7.2f}" + ("" if k_.startswith("torch") else f" ({ref / v:5.3f})"))
+            print(f"{dname:8s} 2^{lg} " + " | ".join(row), flush=True)
+            del sets, fns
+
+
 def section_burst():
     print("\n== burst: host us per launch of an empty kernel, GPU held busy by a long kernel "
           "first (host-bound if it matches the free-running loop) ==", flush=True)
@@ -476,6 +512,8 @@ if __name__ == "__main__":
         section_sizes(timer)
     if "hints" in want:
         section_hints(timer)
+    if "hints2" in want:
+        section_hints2(timer)
     if "burst" in want:
         section_burst()
     if "lean" in want:
