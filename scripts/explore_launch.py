@@ -370,7 +370,7 @@ def section_hints2(timer):
                     k.launch(0, grid, 256, 0, (s[o].data_ptr(), s[i].data_ptr(),
                                                s[j].data_ptr(), nvec))
                 fns[f"ld{ld}st{st}"] = one
-                fns[f"ld{ld}st{st} chain"] = lambda s, one=one: (one(s), one(s, 2, 3, 4))
+                fns[f"ld{ld}st{st} chain"] = lambda s, one=one: (one(s), one(s, i=2, j=3, o=4))
             res = {k_: [] for k_ in fns}
             for _ in range(3):
                 for name, f in fns.items():
