@@ -384,6 +384,38 @@ def section_hints2(timer):
             del sets, fns
 
 
+def section_occ(timer):
+    print("\n== occ: ew_contig (add) with its resident blocks per SM capped by dynamic shared "
+          "memory (torch's kernel runs at 34 registers, 63 % warps active; ew_contig at 25, "
+          "81 %), GPU us, median of 3 interleaved rounds, ratio torch/variant ==", flush=True)
+    smem_sm = cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
+    for dname, lgs in (("bfloat16", (24, 26, 28)), ("float32", (24, 26))):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        nvec = None
+        for lg in lgs:
+            n = 1 << lg
+            nvec = n // (16 // dt.itemsize)
+            grid = -(-nvec // 256)
+            sets = buffer_sets(n, tdt)
+            kc = cur_kernel(dt, 0)
+            fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2])}
+            for k in (8, 7, 6, 5):
+                smem = 0 if k == 8 else smem_sm // k - 1024
+                fns[f"{k}/SM"] = lambda s, smem=smem, grid=grid, nvec=nvec: kc.launch(
+                    0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(), 0, 0,
+                                      0, 0, nvec, 0, 0), shared_mem=smem)
+            res = {k_: [] for k_ in fns}
+            for _ in range(3):
+                for name, f in fns.items():
+                    res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
+            med = {k_: statistics.median(v) for k_, v in res.items()}
+            tt = med["torch"]
+            print(f"{dname:8s} 2^{lg} torch {tt:7.2f} | " + " | ".join(
+                f"{k_} {v:7.2f} ({tt / v:5.3f})" for k_, v in med.items() if k_ != "torch"),
+                flush=True)
+            del sets, fns
+
+
 def section_burst():
     print("\n== burst: host us per launch of an empty kernel, GPU held busy by a long kernel "
           "first (host-bound if it matches the free-running loop) ==", flush=True)
@@ -514,6 +546,8 @@ if __name__ == "__main__":
         section_hints(timer)
     if "hints2" in want:
         section_hints2(timer)
+    if "occ" in want:
+        section_occ(timer)
     if "burst" in want:
         section_burst()
     if "lean" in want:
