@@ -453,7 +453,7 @@ def section_lean():
     from cupylab.ops import _fast
     x, y, z = (torch.randn(1024, device="cuda") for _ in range(3))
     cupylab.add(x, y, out=z)
-    info = _fast._kinfo[(0, torch.float32)]
+    info = _fast._kinfo[0][torch.float32]
     getdev = cp.cuda.runtime.getDevice
     raw = torch._C._cuda_getCurrentRawStream
     launch = _fast._launch
@@ -482,7 +482,7 @@ def section_lean():
     cases = {
         "torch.add(x, y, out=z)": lambda: torch.add(x, y, out=z),
         "cupylab.add(x, y, out=z)": lambda: cupylab.add(x, y, out=z),
-        "_fast.run(0, (x, y), z)": lambda: _fast.run(0, (x, y), z, None),
+        "_fast.run(0, (x, y), z)": lambda: _fast.run(0, x, y, _fast.ABSENT, z, None),
         "flat prototype(x, y, z)": lambda: proto(x, y, z),
         "_fast._launch only": lambda: launch(info, 1024, z.data_ptr(), x.data_ptr(),
                                              y.data_ptr(), 0, 0, 0, 0, raw(0)),

@@ -522,16 +522,16 @@ def test_fast_path_taken_for_plain_contiguous_calls_only():
     from cupylab.ops import _fast
 
     x = cp.arange(1000, dtype=cp.float32)
-    assert _fast.run(0, (x, x), None, None) is not _fast.MISS
-    assert _fast.run(0, (x[::2], x[::2]), None, None) is _fast.MISS  # strided: general path
-    assert _fast.run(0, (x, x.astype(cp.float64)), None, None) is _fast.MISS  # error: general
+    assert _fast.run(0, x, x, _fast.ABSENT, None, None) is not _fast.MISS
+    assert _fast.run(0, x[::2], x[::2], _fast.ABSENT, None, None) is _fast.MISS  # strided: general path
+    assert _fast.run(0, x, x.astype(cp.float64), _fast.ABSENT, None, None) is _fast.MISS  # error: general
     torch = pytest.importorskip("torch")
     t = torch.arange(1000.0, device="cuda")
-    r = _fast.run(4, (t, t, 2.0), None, (False, False, True))
+    r = _fast.run(4, t, t, 2.0, None, (False, False, True))
     assert r is not _fast.MISS and torch.equal(r, (t + t) * 2)
     g = t.clone().requires_grad_()
-    assert _fast.run(0, (g, t), None, None) is _fast.MISS
-    assert _fast.run(0, (t, t), t[1:].clone(), None) is _fast.MISS  # bad out shape
+    assert _fast.run(0, g, t, _fast.ABSENT, None, None) is _fast.MISS
+    assert _fast.run(0, t, t, _fast.ABSENT, t[1:].clone(), None) is _fast.MISS  # bad out shape
 
 
 @pytest.mark.parametrize("fw", ["cupy", "torch"])

@@ -193,7 +193,8 @@ def test_lean_launch_matches_contiguous_plan(monkeypatch):
             ks = {v: ew._kernel(op, dt, v) for v in ("vec_arrays", "vec", "scalar")}
             for h, k in enumerate(ks.values(), 1):
                 monkeypatch.setitem(k._fns, 0, h)  # a CUfunction handle: nothing compiles
-            info = (dt, ks["vec_arrays"], ks["vec"], ks["scalar"], 16 // dt.itemsize, op == 4)
+            info = (dt, ks["vec_arrays"], ks["vec"], ks["scalar"], 16 // dt.itemsize, op == 4,
+                    dt.itemsize)
             for n in (1, 2, 3, 7, 8, 9, 100, 1001):
                 for offs in ((0, 0, 0, 0), (4, 4, 4, 4), (2, 2, 2, 2), (8, 8, 0, 8), (0, 4, 8, 0),
                              (12, 12, 12, 12), (6, 6, 6, 6), (0, 0, 0, None), (4, 4, None, 4)):

@@ -16,12 +16,13 @@ from .. import _dtypes, _runtime
 from .. import _launch as _launch_mod
 
 MISS = object()
+ABSENT = object()  # the third operand of a two-operand call
 _OP_ADD_MUL = 4  # cupylab.ops.elementwise.OPS["fused_add_mul"]: the one op reading c
 
 _kernel = None
 _BLOCK = 256
 _handlers: dict = {}
-_kinfo: dict = {}  # (op, framework dtype object) -> DType or None
+_kinfo = tuple({} for _ in range(_OP_ADD_MUL + 1))  # [op]: framework dtype -> info or None
 _get_device = None
 _torch_stream = None
 _cupy_stream = None
@@ -36,17 +37,17 @@ def bind(kernel_fn, block):
 
 
 def _dtype(op, fdt):
-    """``(DType, vector kernel, scalar kernel)`` for an operator and a framework dtype, or
-    None when the dtype is not one the operators take (the general path explains)."""
-    key = (op, fdt)
+    """``(DType, all-arrays vector kernel, vector kernel, scalar kernel, vector width,
+    three operands?, itemsize)`` for an operator and a framework dtype, or None when the dtype
+    is not one the operators take (the general path explains)."""
     try:
         d = _dtypes.resolve(fdt)
         info = ((d, _kernel(op, d, "vec_arrays"), _kernel(op, d, "vec"),
-                 _kernel(op, d, "scalar"), 16 // d.itemsize, op == _OP_ADD_MUL)
+                 _kernel(op, d, "scalar"), 16 // d.itemsize, op == _OP_ADD_MUL, d.itemsize)
                 if d.arithmetic else None)
     except TypeError:
         info = None
-    _kinfo[key] = info
+    _kinfo[op][fdt] = info
     return info
 
 
@@ -73,17 +74,19 @@ def _classify(tp):
     return _miss
 
 
-def _miss(op, operands, out, allow):
+def _miss(op, x, y, z, out, allow):
     return MISS
 
 
-def run(op, operands, out, allow):
-    """Try the lean path; returns the result or :data:`MISS`."""
-    tp = type(operands[0])
+def run(op, x, y, z, out, allow):
+    """Try the lean path for ``OP(x, y)`` (``z`` is :data:`ABSENT`) or ``OP(x, y, z)``; returns
+    the result or :data:`MISS`. The public operators call this directly, so a hit costs no
+    operand tuple and no frame of the general path."""
+    tp = type(x)
     h = _handlers.get(tp)
     if h is None:
         h = _handlers.setdefault(tp, _classify(tp))
-    return h(op, operands, out, allow)
+    return h(op, x, y, z, out, allow)
 
 
 def _scalar(y, i, allow, dt):
@@ -104,27 +107,32 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
     # alignment: the vector path when every array pointer shares its offset modulo 16; the
     # kernel takes the pointers of the aligned body and the peeled head/tail lengths
     # (elementwise.contiguous_plan is the reference version of this)
-    dt, karr, kvec, kscal, vw, three = info
-    mod = optr & 15
-    isz = dt.itemsize
-    if (mod % isz == 0 and (p0 & 15) == mod and (not p1 or (p1 & 15) == mod)
-            and (not p2 or (p2 & 15) == mod)):
-        head = ((16 - mod) & 15) // isz
-        if head > n:
-            head = n
-        nvec = (n - head) // vw
-        tail = n - head - nvec * vw
+    dt, karr, kvec, kscal, vw, three, isz = info
+    if not (optr | p0 | p1 | p2) & 15:  # all 16-byte aligned (the usual case): no head
+        head = 0
+        nvec = n // vw
+        tail = n - nvec * vw
         k = karr if (p1 and (p2 or not three)) else kvec
-        if head:
-            off = head * isz
-            optr += off
-            p0 += off
-            if p1:
-                p1 += off
-            if p2:
-                p2 += off
     else:
-        head, nvec, tail, k = 0, n, 0, kscal
+        mod = optr & 15
+        if (mod % isz == 0 and (p0 & 15) == mod and (not p1 or (p1 & 15) == mod)
+                and (not p2 or (p2 & 15) == mod)):
+            head = ((16 - mod) & 15) // isz
+            if head > n:
+                head = n
+            nvec = (n - head) // vw
+            tail = n - head - nvec * vw
+            k = karr if (p1 and (p2 or not three)) else kvec
+            if head:
+                off = head * isz
+                optr += off
+                p0 += off
+                if p1:
+                    p1 += off
+                if p2:
+                    p2 += off
+        else:
+            head, nvec, tail, k = 0, n, 0, kscal
     # Kernel.launch, inlined: this is the per-call hot path
     f = k._fns.get(dev) or k.function(dev)
     try:
@@ -139,12 +147,11 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
 # _torch and _cupy have the same shape on purpose: each reads its framework's attributes
 # inline, because a shared per-operand helper costs a Python call per operand on the path
 # measured in docs/perf.md ("Host cost per call").
-def _torch(op, operands, out, allow):
+def _torch(op, x, y, z, out, allow):
     global _torch_stream
     try:
-        x = operands[0]
         fdt = x.dtype
-        info = _kinfo.get((op, fdt), 0)
+        info = _kinfo[op].get(fdt, 0)
         if info == 0:
             info = _dtype(op, fdt)
         if info is None:
@@ -160,7 +167,6 @@ def _torch(op, operands, out, allow):
             return MISS
         p0 = x.data_ptr()
         p1 = p2 = s1 = s2 = 0
-        y = operands[1]
         if type(y) is tt:
             if (y.requires_grad or y.dtype is not fdt or y.shape != shape or not y.is_contiguous()
                     or y.is_neg() or y.get_device() != dev):
@@ -170,8 +176,7 @@ def _torch(op, operands, out, allow):
             s1 = _scalar(y, 1, allow, dt)
             if s1 is None:
                 return MISS
-        if len(operands) == 3:
-            z = operands[2]
+        if z is not ABSENT:
             if type(z) is tt:
                 if (z.requires_grad or z.dtype is not fdt or z.shape != shape
                         or not z.is_contiguous() or z.is_neg() or z.get_device() != dev):
@@ -217,11 +222,10 @@ def _cupy_ptr(a, fdt, shape, dev):
     return m.ptr if m.device_id == dev else 0
 
 
-def _cupy(op, operands, out, allow):
+def _cupy(op, x, y, z, out, allow):
     try:
-        x = operands[0]
         fdt = x.dtype
-        info = _kinfo.get((op, fdt), 0)
+        info = _kinfo[op].get(fdt, 0)
         if info == 0:
             info = _dtype(op, fdt)
         if info is None:
@@ -236,7 +240,6 @@ def _cupy(op, operands, out, allow):
         dev = mem.device_id
         p0 = mem.ptr
         p1 = p2 = s1 = s2 = 0
-        y = operands[1]
         if type(y) is tt:
             p1 = _cupy_ptr(y, fdt, shape, dev)
             if not p1:
@@ -245,8 +248,7 @@ def _cupy(op, operands, out, allow):
             s1 = _scalar(y, 1, allow, dt)
             if s1 is None:
                 return MISS
-        if len(operands) == 3:
-            z = operands[2]
+        if z is not ABSENT:
             if type(z) is tt:
                 p2 = _cupy_ptr(z, fdt, shape, dev)
                 if not p2:

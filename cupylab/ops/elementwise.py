@@ -94,11 +94,9 @@ def _check_arith(opname):
 
 
 def _run(opname, operands, names, out, stream, allow_scalars, kernel_op=None):
+    """The general path: full validation, every layout, the documented errors. The public
+    operators try :func:`cupylab.ops._fast.run` first."""
     op = OPS[kernel_op or opname]
-    if stream is None:
-        r = _fast.run(op, operands, out, allow_scalars)
-        if r is not _fast.MISS:
-            return r
     c = prepare_call(opname, operands, out=out, stream=stream, names=names,
                      allow_scalars=allow_scalars, dtype_check=_check_arith(opname))
     if c.size:
@@ -305,28 +303,59 @@ def _doc(f, text):
     return f
 
 
+# Each operator tries the lean path first (plain contiguous torch or CuPy arrays, no
+# stream=): a direct call with the operator's index, so a hit costs one Python frame here.
+_lean, _ABSENT, _MISS = _fast.run, _fast.ABSENT, _fast.MISS
+_ADD, _SUB, _MUL, _DIV, _ADD_MUL = (OPS[k] for k in ("add", "sub", "mul", "div", "fused_add_mul"))
+_NO_SCALARS2, _S_SCALAR3 = (False, False), (False, False, True)
+
+
 def add(x, y, out=None, *, stream=None):
+    if stream is None:
+        r = _lean(_ADD, x, y, _ABSENT, out, None)
+        if r is not _MISS:
+            return r
     return _run("add", (x, y), ("x", "y"), out, stream, None)
 
 
 def sub(x, y, out=None, *, stream=None):
+    if stream is None:
+        r = _lean(_SUB, x, y, _ABSENT, out, None)
+        if r is not _MISS:
+            return r
     return _run("sub", (x, y), ("x", "y"), out, stream, None)
 
 
 def mul(x, y, out=None, *, stream=None):
+    if stream is None:
+        r = _lean(_MUL, x, y, _ABSENT, out, None)
+        if r is not _MISS:
+            return r
     return _run("mul", (x, y), ("x", "y"), out, stream, None)
 
 
 def div(x, y, out=None, *, stream=None):
+    if stream is None:
+        r = _lean(_DIV, x, y, _ABSENT, out, None)
+        if r is not _MISS:
+            return r
     return _run("div", (x, y), ("x", "y"), out, stream, None)
 
 
 def vector_add(x, y, out=None, *, stream=None):
-    return _run("vector_add", (x, y), ("x", "y"), out, stream, (False, False), "add")
+    if stream is None:
+        r = _lean(_ADD, x, y, _ABSENT, out, _NO_SCALARS2)
+        if r is not _MISS:
+            return r
+    return _run("vector_add", (x, y), ("x", "y"), out, stream, _NO_SCALARS2, "add")
 
 
 def fused_add_mul(a, b, s, out=None, *, stream=None):
-    return _run("fused_add_mul", (a, b, s), ("a", "b", "s"), out, stream, (False, False, True))
+    if stream is None:
+        r = _lean(_ADD_MUL, a, b, s, out, _S_SCALAR3)
+        if r is not _MISS:
+            return r
+    return _run("fused_add_mul", (a, b, s), ("a", "b", "s"), out, stream, _S_SCALAR3)
 
 
 _doc(add, """Elementwise ``x + y``.
