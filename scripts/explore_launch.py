@@ -416,6 +416,42 @@ def section_occ(timer):
             del sets, fns
 
 
+OCC2 = ((256, 0), (256, 7), (128, 0), (128, 15), (128, 14), (128, 13), (192, 0), (192, 9),
+        (224, 0), (224, 8), (160, 0), (160, 11))
+
+
+def section_occ2(timer):
+    print("\n== occ2: ew_contig (add) by block size and resident blocks per SM (0: not capped; "
+          "a cap is set with dynamic shared memory), GPU us, median of 3 interleaved rounds, "
+          "ratio torch/variant ==", flush=True)
+    smem_sm = cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
+    for dname, lgs in (("bfloat16", (22, 24, 26, 28)), ("float32", (24, 26)),
+                       ("float64", (26,))):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        for lg in lgs:
+            n = 1 << lg
+            nvec = n // (16 // dt.itemsize)
+            sets = buffer_sets(n, tdt)
+            kc = cur_kernel(dt, 0)
+            fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2])}
+            for blk, cap in OCC2:
+                smem = smem_sm // cap - 1024 if cap else 0
+                fns[f"{blk}/{cap or '-'}"] = lambda s, smem=smem, blk=blk: kc.launch(
+                    0, -(-nvec // blk), blk, 0, (s[2].data_ptr(), s[0].data_ptr(),
+                                                 s[1].data_ptr(), 0, 0, 0, 0, nvec, 0, 0),
+                    shared_mem=smem)
+            res = {k_: [] for k_ in fns}
+            for _ in range(3):
+                for name, f in fns.items():
+                    res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
+            med = {k_: statistics.median(v) for k_, v in res.items()}
+            tt = med["torch"]
+            print(f"{dname:8s} 2^{lg} torch {tt:7.2f} | " + " | ".join(
+                f"{k_} {v:7.2f} ({tt / v:5.3f})" for k_, v in med.items() if k_ != "torch"),
+                flush=True)
+            del sets, fns
+
+
 def section_burst():
     print("\n== burst: host us per launch of an empty kernel, GPU held busy by a long kernel "
           "first (host-bound if it matches the free-running loop) ==", flush=True)
@@ -548,6 +584,8 @@ if __name__ == "__main__":
         section_hints2(timer)
     if "occ" in want:
         section_occ(timer)
+    if "occ2" in want:
+        section_occ2(timer)
     if "burst" in want:
         section_burst()
     if "lean" in want:
