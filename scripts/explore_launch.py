@@ -452,6 +452,55 @@ def section_occ2(timer):
             del sets, fns
 
 
+def _capped(dt, nvec, cap):
+    """ew_contig add launcher with at most ``cap`` resident 256-thread blocks per SM (0: none)."""
+    smem = cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"] // cap - 1024 if cap else 0
+    kc = cur_kernel(dt, 0)
+    return lambda a, b, d: kc.launch(0, -(-nvec // 256), 256, 0, (d.data_ptr(), a.data_ptr(),
+                                     b.data_ptr(), 0, 0, 0, 0, nvec, 0, 0), shared_mem=smem)
+
+
+def section_occ3(timer):
+    print("\n== occ3: does the 7-per-SM cap (dynamic shared memory) cost anything next to "
+          "torch's kernels (an L1/shared carveout change between kernels)? torch.add then "
+          "ew_contig add, per pair, GPU us, median of 3 interleaved rounds ==", flush=True)
+    for dname, lgs in (("bfloat16", (10, 16, 20, 26)), ("float32", (16, 26))):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        for lg in lgs:
+            n = 1 << lg
+            nvec = n // (16 // dt.itemsize)
+            sets = buffer_sets(n, tdt, k=4)
+            fns = {"torch+torch": lambda s: (torch.add(s[0], s[1], out=s[2]),
+                                             torch.add(s[2], s[1], out=s[3]))}
+            for cap in (0, 7):
+                f = _capped(dt, nvec, cap)
+                fns[f"torch+cl/{cap or '-'}"] = lambda s, f=f: (torch.add(s[0], s[1], out=s[2]),
+                                                                f(s[2], s[1], s[3]))
+                fns[f"cl+cl/{cap or '-'}"] = lambda s, f=f: (f(s[0], s[1], s[2]),
+                                                             f(s[2], s[1], s[3]))
+            res = {k_: [] for k_ in fns}
+            for _ in range(3):
+                for name, f in fns.items():
+                    res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
+            med = {k_: statistics.median(v) for k_, v in res.items()}
+            print(f"{dname:8s} 2^{lg} " + " | ".join(f"{k_} {v:8.2f}" for k_, v in med.items()),
+                  flush=True)
+            del sets, fns
+
+
+def ncuocc_cases():
+    """bf16, fp32 and fp64 add at 2^26: ew_contig uncapped and capped at 7 blocks per SM."""
+    for dname in ("bfloat16", "float32", "float64"):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        n = 1 << 26
+        nvec = n // (16 // dt.itemsize)
+        a, b, d = (torch.randn(n, device="cuda").to(tdt) for _ in range(3))
+        torch.add(a, b, out=d)
+        for cap in (0, 7, 0, 7):
+            _capped(dt, nvec, cap)(a, b, d)
+    torch.cuda.synchronize()
+
+
 def section_burst():
     print("\n== burst: host us per launch of an empty kernel, GPU held busy by a long kernel "
           "first (host-bound if it matches the free-running loop) ==", flush=True)
@@ -561,6 +610,9 @@ if __name__ == "__main__":
     if args == ["--ncu"]:
         ncu_cases()
         sys.exit(0)
+    if args == ["--ncuocc"]:
+        ncuocc_cases()
+        sys.exit(0)
     if args == ["--ncu16"]:
         ncu16_cases()
         sys.exit(0)
@@ -586,6 +638,8 @@ if __name__ == "__main__":
         section_occ(timer)
     if "occ2" in want:
         section_occ2(timer)
+    if "occ3" in want:
+        section_occ3(timer)
     if "burst" in want:
         section_burst()
     if "lean" in want:

@@ -52,6 +52,12 @@ if has ncu; then
 gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes.sum,\
 smsp__inst_executed.sum
 fi
+if has ncuocc; then
+  run_ncu ncuocc --ncuocc launch__grid_size,launch__block_size,launch__shared_mem_per_block_dynamic,\
+launch__occupancy_limit_shared_mem,gpu__time_duration.sum,dram__bytes_read.sum,\
+dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
+sm__warps_active.avg.pct_of_peak_sustained_active
+fi
 if has ncu16; then
   # bf16/fp32 add at 2^26: torch, ew_contig, x_hint variants; DRAM and L2 traffic, stalls
   run_ncu ncu16 --ncu16 launch__grid_size,launch__block_size,launch__registers_per_thread,\
