@@ -501,6 +501,44 @@ def ncuocc_cases():
     torch.cuda.synchronize()
 
 
+def section_occ4(timer):
+    print("\n== occ4: ew_contig add, 256 threads, by dynamic shared memory per block, with the "
+          "driver's default L1/shared carveout, then with the carveout preference at 100 % "
+          "shared; 'occ' = cuOccupancyMaxActiveBlocksPerMultiprocessor; GPU us, median of 3 "
+          "interleaved rounds, ratio torch/variant ==", flush=True)
+    from cupy_backends.cuda.api import driver
+    smems = (0, 24000, 28000, 32000, 36000, 40000, 45000)
+    for phase in ("default", "carveout100"):
+        for dname, lgs in (("bfloat16", (24, 26, 28)), ("float32", (26,))):
+            dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+            kc = cur_kernel(dt, 0)
+            f = kc.function(0)
+            if phase == "carveout100":
+                driver.funcSetAttribute(f, 9, 100)  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            occ = {sm: driver.occupancyMaxActiveBlocksPerMultiprocessor(f, 256, sm) for sm in smems}
+            for lg in lgs:
+                n = 1 << lg
+                nvec = n // (16 // dt.itemsize)
+                sets = buffer_sets(n, tdt)
+                fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2])}
+                for sm in smems:
+                    fns[f"{sm}B(occ {occ[sm]})"] = lambda s, sm=sm, nvec=nvec: kc.launch(
+                        0, -(-nvec // 256), 256, 0, (s[2].data_ptr(), s[0].data_ptr(),
+                                                     s[1].data_ptr(), 0, 0, 0, 0, nvec, 0, 0),
+                        shared_mem=sm)
+                res = {k_: [] for k_ in fns}
+                for _ in range(3):
+                    for name, fn in fns.items():
+                        res[name].append(
+                            timer.events([lambda s=s, fn=fn: fn(s) for s in sets], 5).median)
+                med = {k_: statistics.median(v) for k_, v in res.items()}
+                tt = med["torch"]
+                print(f"{phase:11s} {dname:8s} 2^{lg} torch {tt:7.2f} | " + " | ".join(
+                    f"{k_} {v:7.2f} ({tt / v:5.3f})" for k_, v in med.items() if k_ != "torch"),
+                    flush=True)
+                del sets, fns
+
+
 def section_burst():
     print("\n== burst: host us per launch of an empty kernel, GPU held busy by a long kernel "
           "first (host-bound if it matches the free-running loop) ==", flush=True)
@@ -640,6 +678,8 @@ if __name__ == "__main__":
         section_occ2(timer)
     if "occ3" in want:
         section_occ3(timer)
+    if "occ4" in want:
+        section_occ4(timer)
     if "burst" in want:
         section_burst()
     if "lean" in want:
