@@ -210,3 +210,37 @@ def test_lean_launch_matches_contiguous_plan(monkeypatch):
                     where = f"{name} op {op} n {n} offsets {offs}"
                     assert f == k._fns[0] and (gx, gy, gz, bx) == (grid, 1, 1, ew.BLOCK), where
                     assert got[:4] == bp and got[7:] == sizes, where
+
+
+def test_public_operators_try_the_lean_handler_with_their_operator(monkeypatch):
+    """Each public operator calls the lean-path handler for its first operand's type with the
+    operator's kernel index and its operands (no GPU: a recording handler answers); a MISS goes
+    on to the general path, and stream= skips the lean path."""
+    import cupylab
+    from cupylab.ops import _fast, elementwise as ew
+
+    class Fake:
+        pass
+
+    seen = []
+
+    def record(op, x, y, z, out, allow):
+        seen.append((op, x, y, z, out, allow))
+        return "lean result"
+
+    monkeypatch.setitem(_fast._handlers, Fake, record)
+    a, b, c, o = Fake(), Fake(), Fake(), Fake()
+    for name, args, allow in (("add", (a, b), None), ("sub", (a, b), None), ("mul", (a, b), None),
+                              ("div", (a, b), None), ("vector_add", (a, b), (False, False)),
+                              ("fused_add_mul", (a, b, c), (False, False, True))):
+        seen.clear()
+        assert getattr(cupylab, name)(*args, out=o) == "lean result"
+        op = ew.OPS["add" if name == "vector_add" else name]
+        z = args[2] if len(args) == 3 else _fast.ABSENT
+        assert seen == [(op, args[0], args[1], z, o, allow)], name
+    seen.clear()
+    general = []
+    monkeypatch.setattr(ew, "_run", lambda *a, **k: general.append(a) or "general")
+    assert cupylab.add(a, b, stream=0) == "general" and not seen
+    monkeypatch.setitem(_fast._handlers, Fake, lambda *a: _fast.MISS)
+    assert cupylab.mul(a, b) == "general" and general[-1][0] == "mul"

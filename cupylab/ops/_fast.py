@@ -78,15 +78,21 @@ def _miss(op, x, y, z, out, allow):
     return MISS
 
 
-def run(op, x, y, z, out, allow):
-    """Try the lean path for ``OP(x, y)`` (``z`` is :data:`ABSENT`) or ``OP(x, y, z)``; returns
-    the result or :data:`MISS`. The public operators call this directly, so a hit costs no
-    operand tuple and no frame of the general path."""
-    tp = type(x)
+def handler(tp):
+    """The lean-path function for operands whose first array has type ``tp`` (cached per
+    type): ``f(op, x, y, z, out, allow)`` returns the result or :data:`MISS`. The public
+    operators call ``(_handlers.get(type(x)) or handler(type(x)))(...)`` directly, so a hit
+    costs no operand tuple and no extra frame."""
     h = _handlers.get(tp)
     if h is None:
         h = _handlers.setdefault(tp, _classify(tp))
-    return h(op, x, y, z, out, allow)
+    return h
+
+
+def run(op, x, y, z, out, allow):
+    """Try the lean path for ``OP(x, y)`` (``z`` is :data:`ABSENT`) or ``OP(x, y, z)``; returns
+    the result or :data:`MISS`."""
+    return handler(type(x))(op, x, y, z, out, allow)
 
 
 def _scalar(y, i, allow, dt):
@@ -156,7 +162,6 @@ def _torch(op, x, y, z, out, allow):
             info = _dtype(op, fdt)
         if info is None:
             return MISS
-        dt = info[0]
         tt = type(x)
         shape = x.shape
         dev = x.get_device()
@@ -173,7 +178,7 @@ def _torch(op, x, y, z, out, allow):
                 return MISS
             p1 = y.data_ptr()
         else:
-            s1 = _scalar(y, 1, allow, dt)
+            s1 = _scalar(y, 1, allow, info[0])
             if s1 is None:
                 return MISS
         if z is not ABSENT:
@@ -183,7 +188,7 @@ def _torch(op, x, y, z, out, allow):
                     return MISS
                 p2 = z.data_ptr()
             else:
-                s2 = _scalar(z, 2, allow, dt)
+                s2 = _scalar(z, 2, allow, info[0])
                 if s2 is None:
                     return MISS
         if _get_device is None:
@@ -199,7 +204,7 @@ def _torch(op, x, y, z, out, allow):
                     or out.get_device() != dev):
                 return MISS
             optr = out.data_ptr()
-            nb = n * dt.itemsize  # partial overlap with an input: the general path refuses
+            nb = n * info[6]  # partial overlap with an input: the general path refuses
             if ((p0 != optr and -nb < p0 - optr < nb)
                     or (p1 and p1 != optr and -nb < p1 - optr < nb)
                     or (p2 and p2 != optr and -nb < p2 - optr < nb)):

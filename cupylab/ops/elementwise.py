@@ -304,15 +304,16 @@ def _doc(f, text):
 
 
 # Each operator tries the lean path first (plain contiguous torch or CuPy arrays, no
-# stream=): a direct call with the operator's index, so a hit costs one Python frame here.
-_lean, _ABSENT, _MISS = _fast.run, _fast.ABSENT, _fast.MISS
+# stream=): the handler for the first operand's type, called with the operator's index, so a
+# hit costs one Python frame beyond this one.
+_lean_get, _lean_new, _ABSENT, _MISS = _fast._handlers.get, _fast.handler, _fast.ABSENT, _fast.MISS
 _ADD, _SUB, _MUL, _DIV, _ADD_MUL = (OPS[k] for k in ("add", "sub", "mul", "div", "fused_add_mul"))
 _NO_SCALARS2, _S_SCALAR3 = (False, False), (False, False, True)
 
 
 def add(x, y, out=None, *, stream=None):
     if stream is None:
-        r = _lean(_ADD, x, y, _ABSENT, out, None)
+        r = (_lean_get(type(x)) or _lean_new(type(x)))(_ADD, x, y, _ABSENT, out, None)
         if r is not _MISS:
             return r
     return _run("add", (x, y), ("x", "y"), out, stream, None)
@@ -320,7 +321,7 @@ def add(x, y, out=None, *, stream=None):
 
 def sub(x, y, out=None, *, stream=None):
     if stream is None:
-        r = _lean(_SUB, x, y, _ABSENT, out, None)
+        r = (_lean_get(type(x)) or _lean_new(type(x)))(_SUB, x, y, _ABSENT, out, None)
         if r is not _MISS:
             return r
     return _run("sub", (x, y), ("x", "y"), out, stream, None)
@@ -328,7 +329,7 @@ def sub(x, y, out=None, *, stream=None):
 
 def mul(x, y, out=None, *, stream=None):
     if stream is None:
-        r = _lean(_MUL, x, y, _ABSENT, out, None)
+        r = (_lean_get(type(x)) or _lean_new(type(x)))(_MUL, x, y, _ABSENT, out, None)
         if r is not _MISS:
             return r
     return _run("mul", (x, y), ("x", "y"), out, stream, None)
@@ -336,7 +337,7 @@ def mul(x, y, out=None, *, stream=None):
 
 def div(x, y, out=None, *, stream=None):
     if stream is None:
-        r = _lean(_DIV, x, y, _ABSENT, out, None)
+        r = (_lean_get(type(x)) or _lean_new(type(x)))(_DIV, x, y, _ABSENT, out, None)
         if r is not _MISS:
             return r
     return _run("div", (x, y), ("x", "y"), out, stream, None)
@@ -344,7 +345,7 @@ def div(x, y, out=None, *, stream=None):
 
 def vector_add(x, y, out=None, *, stream=None):
     if stream is None:
-        r = _lean(_ADD, x, y, _ABSENT, out, _NO_SCALARS2)
+        r = (_lean_get(type(x)) or _lean_new(type(x)))(_ADD, x, y, _ABSENT, out, _NO_SCALARS2)
         if r is not _MISS:
             return r
     return _run("vector_add", (x, y), ("x", "y"), out, stream, _NO_SCALARS2, "add")
@@ -352,7 +353,7 @@ def vector_add(x, y, out=None, *, stream=None):
 
 def fused_add_mul(a, b, s, out=None, *, stream=None):
     if stream is None:
-        r = _lean(_ADD_MUL, a, b, s, out, _S_SCALAR3)
+        r = (_lean_get(type(a)) or _lean_new(type(a)))(_ADD_MUL, a, b, s, out, _S_SCALAR3)
         if r is not _MISS:
             return r
     return _run("fused_add_mul", (a, b, s), ("a", "b", "s"), out, stream, _S_SCALAR3)
