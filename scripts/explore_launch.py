@@ -19,12 +19,17 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
            operand kept in registers;
   hints    16-bit and fp32 add at 2^24/2^26/2^28: cache-policy variants (x_hint<LD, ST>)
            beside torch, ew_contig and cupylab.add;
+  hints2   ld.cs + st.cs against the default by size (2^20 .. 2^25), alone and chained;
+  occ, occ2, occ3, occ4
+           resident blocks per SM capped with dynamic shared memory, by block size, next to
+           torch's kernels, and with the occupancy API and the carveout preference;
   burst    host cost per launch with the GPU free-running vs held busy (host- or GPU-bound?);
   lean     host cost of a flatter torch lean path (prototype) beside the library's;
   ncu      (--ncu) one call of each case for Nsight Compute to profile;
-  ncu16    (--ncu16) bf16/fp32 add at 2^26, torch, ew_contig and x_hint variants.
+  ncu16    (--ncu16) bf16/fp32 add at 2^26, torch, ew_contig and x_hint variants;
+  ncuocc   (--ncuocc) bf16/fp32/fp64 add at 2^26, ew_contig uncapped and capped.
 
-Usage: python scripts/explore_launch.py [SECTION ...] | --ncu
+Usage: python scripts/explore_launch.py [SECTION ...] | --ncu | --ncu16 | --ncuocc
 """
 import ctypes
 import functools
