@@ -580,6 +580,7 @@ def section_lean():
           "to torch a flatter lean path (all checks kept, one function) closes ==", flush=True)
     from cupylab.ops import _fast
     x, y, z = (torch.randn(1024, device="cuda") for _ in range(3))
+    cx, cy, cz = (cp.random.standard_normal(1024, dtype=cp.float32) for _ in range(3))
     cupylab.add(x, y, out=z)
     info = _fast._kinfo[0][torch.float32]
     getdev = cp.cuda.runtime.getDevice
@@ -610,10 +611,24 @@ def section_lean():
     cases = {
         "torch.add(x, y, out=z)": lambda: torch.add(x, y, out=z),
         "cupylab.add(x, y, out=z)": lambda: cupylab.add(x, y, out=z),
-        "_fast.run(0, (x, y), z)": lambda: _fast.run(0, x, y, _fast.ABSENT, z, None),
+        "_fast.run(0, x, y, ABSENT, z)": lambda: _fast.run(0, x, y, _fast.ABSENT, z, None),
         "flat prototype(x, y, z)": lambda: proto(x, y, z),
         "_fast._launch only": lambda: launch(info, 1024, z.data_ptr(), x.data_ptr(),
                                              y.data_ptr(), 0, 0, 0, 0, raw(0)),
+        "x + y": lambda: x + y,
+        "cupylab.add(x, y)": lambda: cupylab.add(x, y),
+        "alloc torch.empty_like(x)": lambda: torch.empty_like(x),
+        "alloc torch.empty(1024, dtype=, device=)": lambda: torch.empty(
+            1024, dtype=torch.float32, device=x.device),
+        "alloc x.new_empty((1024,))": lambda: x.new_empty((1024,)),
+        "cupy.add(cx, cy, out=cz)": lambda: cp.add(cx, cy, out=cz),
+        "cupylab.add(cx, cy, out=cz)": lambda: cupylab.add(cx, cy, out=cz),
+        "cx + cy": lambda: cx + cy,
+        "cupylab.add(cx, cy)": lambda: cupylab.add(cx, cy),
+        "alloc cupy.empty": lambda: cp.empty((1024,), cp.float32),
+        "alloc cupy.ndarray": lambda: cp.ndarray((1024,), cp.float32),
+        "cx.flags.c_contiguous": lambda: cx.flags.c_contiguous,
+        "cx._c_contiguous": lambda: cx._c_contiguous,
     }
     res = {k_: [] for k_ in cases}
     for fn in cases.values():

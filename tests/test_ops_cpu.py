@@ -244,3 +244,14 @@ def test_public_operators_try_the_lean_handler_with_their_operator(monkeypatch):
     assert cupylab.add(a, b, stream=0) == "general" and not seen
     monkeypatch.setitem(_fast._handlers, Fake, lambda *a: _fast.MISS)
     assert cupylab.mul(a, b) == "general" and general[-1][0] == "mul"
+
+
+def test_cupy_keeps_the_contiguity_attribute_the_lean_path_reads():
+    """The lean path reads ``ndarray._c_contiguous`` (what ``flags.c_contiguous`` reports) and
+    allocates with ``cupy.ndarray(shape, dtype)`` (what ``cupy.empty`` calls); if a CuPy release
+    drops either, every call would silently take the slower general path."""
+    cp = pytest.importorskip("cupy")
+    assert hasattr(cp.ndarray, "_c_contiguous")
+    import inspect
+
+    assert "ndarray(shape, dtype" in inspect.getsource(cp.empty)
