@@ -110,6 +110,42 @@ def variants(dt, op, n):
     return out
 
 
+def gpu_rounds(timer, fns, sets, rounds=3):
+    """{name: median GPU µs} over ``rounds`` interleaved rounds; ``fns[name](s)`` launches one
+    call on buffer set ``s`` (rotated through ``sets``)."""
+    res = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
+def ratio_row(label, med, ref="torch"):
+    """One printed row: the reference's time, then every other case with ref/case."""
+    tt = med[ref]
+    return f"{label} {ref} {tt:7.2f} | " + " | ".join(
+        f"{k} {v:7.2f} ({tt / v:5.3f})" for k, v in med.items() if k != ref)
+
+
+def host_rounds(cases, rounds=9, calls=2000):
+    """Print host µs per call of each zero-argument case: wall clock over ``calls`` calls ending
+    in a synchronize, median (min, max) of ``rounds`` interleaved rounds, after warm-up."""
+    res = {k: [] for k in cases}
+    for fn in cases.values():
+        for _ in range(300):
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            res[name].append((time.perf_counter() - t) / calls * 1e6)
+    for name, v in res.items():
+        print(f"{name:36s} {statistics.median(v):7.3f} us  (min {min(v):.3f}, max {max(v):.3f})")
+
+
 def section_sizes(timer):
     print("\n== sizes: GPU us per call (median), ratio torch/variant ==", flush=True)
     for dname, opname in (("float32", "add"), ("bfloat16", "add"), ("float64", "add"),
@@ -241,20 +277,7 @@ def section_host():
         "cupylab.add(x, y)": lambda: cupylab.add(x, y),
         "prepared add()": call,
     }
-    res = {k_: [] for k_ in cases}
-    for fn in cases.values():
-        for _ in range(300):
-            fn()
-    torch.cuda.synchronize()
-    for _ in range(9):
-        for name, fn in cases.items():
-            t = time.perf_counter()
-            for _ in range(2000):
-                fn()
-            torch.cuda.synchronize()
-            res[name].append((time.perf_counter() - t) / 2000 * 1e6)
-    for name, v in res.items():
-        print(f"{name:36s} {statistics.median(v):7.3f} us  (min {min(v):.3f}, max {max(v):.3f})")
+    host_rounds(cases)
 
 
 def section_rows(timer):
@@ -341,15 +364,9 @@ def section_hints(timer):
                 k = named_kernel(f"clx::x_hint<{dt.ctype}, 0, {ld}, {st}>", ("Q", "Q", "Q", "q"))
                 fns[f"ld{ld}st{st}"] = lambda s, k=k: k.launch(
                     0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(), nvec))
-            res = {k_: [] for k_ in fns}
-            for _ in range(3):
-                for name, f in fns.items():
-                    res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
-            med = {k_: statistics.median(v) for k_, v in res.items()}
-            tt = med["torch"]
-            print(f"{dname:8s} 2^{lg} torch {tt:7.2f} ({3 * n * dt.itemsize / tt / 1e3:4.0f} GB/s) | "
-                  + " | ".join(f"{k_} {v:7.2f} ({tt / v:5.3f})" for k_, v in med.items()
-                               if k_ != "torch"), flush=True)
+            med = gpu_rounds(timer, fns, sets)
+            gbs = 3 * n * dt.itemsize / med["torch"] / 1e3
+            print(ratio_row(f"{dname:8s} 2^{lg} ({gbs:4.0f} GB/s for torch)", med), flush=True)
             del sets, fns
 
 
@@ -376,11 +393,7 @@ def section_hints2(timer):
                                                s[j].data_ptr(), nvec))
                 fns[f"ld{ld}st{st}"] = one
                 fns[f"ld{ld}st{st} chain"] = lambda s, one=one: (one(s), one(s, i=2, j=3, o=4))
-            res = {k_: [] for k_ in fns}
-            for _ in range(3):
-                for name, f in fns.items():
-                    res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
-            med = {k_: statistics.median(v) for k_, v in res.items()}
+            med = gpu_rounds(timer, fns, sets)
             row = []
             for k_, v in med.items():
                 ref = med["torch chain" if k_.endswith("chain") else "torch"]
@@ -409,15 +422,8 @@ def section_occ(timer):
                 fns[f"{k}/SM"] = lambda s, smem=smem, grid=grid, nvec=nvec: kc.launch(
                     0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(), 0, 0,
                                       0, 0, nvec, 0, 0), shared_mem=smem)
-            res = {k_: [] for k_ in fns}
-            for _ in range(3):
-                for name, f in fns.items():
-                    res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
-            med = {k_: statistics.median(v) for k_, v in res.items()}
-            tt = med["torch"]
-            print(f"{dname:8s} 2^{lg} torch {tt:7.2f} | " + " | ".join(
-                f"{k_} {v:7.2f} ({tt / v:5.3f})" for k_, v in med.items() if k_ != "torch"),
-                flush=True)
+            med = gpu_rounds(timer, fns, sets)
+            print(ratio_row(f"{dname:8s} 2^{lg}", med), flush=True)
             del sets, fns
 
 
@@ -445,15 +451,8 @@ def section_occ2(timer):
                     0, -(-nvec // blk), blk, 0, (s[2].data_ptr(), s[0].data_ptr(),
                                                  s[1].data_ptr(), 0, 0, 0, 0, nvec, 0, 0),
                     shared_mem=smem)
-            res = {k_: [] for k_ in fns}
-            for _ in range(3):
-                for name, f in fns.items():
-                    res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
-            med = {k_: statistics.median(v) for k_, v in res.items()}
-            tt = med["torch"]
-            print(f"{dname:8s} 2^{lg} torch {tt:7.2f} | " + " | ".join(
-                f"{k_} {v:7.2f} ({tt / v:5.3f})" for k_, v in med.items() if k_ != "torch"),
-                flush=True)
+            med = gpu_rounds(timer, fns, sets)
+            print(ratio_row(f"{dname:8s} 2^{lg}", med), flush=True)
             del sets, fns
 
 
@@ -483,11 +482,7 @@ def section_occ3(timer):
                                                                 f(s[2], s[1], s[3]))
                 fns[f"cl+cl/{cap or '-'}"] = lambda s, f=f: (f(s[0], s[1], s[2]),
                                                              f(s[2], s[1], s[3]))
-            res = {k_: [] for k_ in fns}
-            for _ in range(3):
-                for name, f in fns.items():
-                    res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
-            med = {k_: statistics.median(v) for k_, v in res.items()}
+            med = gpu_rounds(timer, fns, sets)
             print(f"{dname:8s} 2^{lg} " + " | ".join(f"{k_} {v:8.2f}" for k_, v in med.items()),
                   flush=True)
             del sets, fns
@@ -531,16 +526,8 @@ def section_occ4(timer):
                         0, -(-nvec // 256), 256, 0, (s[2].data_ptr(), s[0].data_ptr(),
                                                      s[1].data_ptr(), 0, 0, 0, 0, nvec, 0, 0),
                         shared_mem=sm)
-                res = {k_: [] for k_ in fns}
-                for _ in range(3):
-                    for name, fn in fns.items():
-                        res[name].append(
-                            timer.events([lambda s=s, fn=fn: fn(s) for s in sets], 5).median)
-                med = {k_: statistics.median(v) for k_, v in res.items()}
-                tt = med["torch"]
-                print(f"{phase:11s} {dname:8s} 2^{lg} torch {tt:7.2f} | " + " | ".join(
-                    f"{k_} {v:7.2f} ({tt / v:5.3f})" for k_, v in med.items() if k_ != "torch"),
-                    flush=True)
+                med = gpu_rounds(timer, fns, sets)
+                print(ratio_row(f"{phase:11s} {dname:8s} 2^{lg}", med), flush=True)
                 del sets, fns
 
 
@@ -630,20 +617,7 @@ def section_lean():
         "cx.flags.c_contiguous": lambda: cx.flags.c_contiguous,
         "cx._c_contiguous": lambda: cx._c_contiguous,
     }
-    res = {k_: [] for k_ in cases}
-    for fn in cases.values():
-        for _ in range(300):
-            fn()
-    torch.cuda.synchronize()
-    for _ in range(9):
-        for name, fn in cases.items():
-            t = time.perf_counter()
-            for _ in range(2000):
-                fn()
-            torch.cuda.synchronize()
-            res[name].append((time.perf_counter() - t) / 2000 * 1e6)
-    for name, v in res.items():
-        print(f"{name:36s} {statistics.median(v):7.3f} us  (min {min(v):.3f}, max {max(v):.3f})")
+    host_rounds(cases)
 
 
 def ncu16_cases():
@@ -663,44 +637,26 @@ def ncu16_cases():
     torch.cuda.synchronize()
 
 
+NCU_MODES = {"--ncu": ncu_cases, "--ncuocc": ncuocc_cases, "--ncu16": ncu16_cases}
+SECTIONS = {  # name -> runner, in the order they run
+    "host": lambda t: section_host(), "graph": section_graph, "rows": section_rows,
+    "memcpy": section_memcpy, "sizes": section_sizes, "hints": section_hints,
+    "hints2": section_hints2, "occ": section_occ, "occ2": section_occ2, "occ3": section_occ3,
+    "occ4": section_occ4, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
+}
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args == ["--ncu"]:
-        ncu_cases()
-        sys.exit(0)
-    if args == ["--ncuocc"]:
-        ncuocc_cases()
-        sys.exit(0)
-    if args == ["--ncu16"]:
-        ncu16_cases()
+    if len(args) == 1 and args[0] in NCU_MODES:
+        NCU_MODES[args[0]]()
         sys.exit(0)
     want = set(args) or {"sizes", "graph", "host", "rows"}
+    unknown = want - set(SECTIONS)
+    if unknown:
+        sys.exit(f"unknown section(s): {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
     print(f"GPU: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {SMS} SMs, "
           f"L2 {L2 >> 20} MiB; torch {torch.__version__}, CuPy {cp.__version__}", flush=True)
     timer = Timer(cp)
-    if "host" in want:
-        section_host()
-    if "graph" in want:
-        section_graph(timer)
-    if "rows" in want:
-        section_rows(timer)
-    if "memcpy" in want:
-        section_memcpy(timer)
-    if "sizes" in want:
-        section_sizes(timer)
-    if "hints" in want:
-        section_hints(timer)
-    if "hints2" in want:
-        section_hints2(timer)
-    if "occ" in want:
-        section_occ(timer)
-    if "occ2" in want:
-        section_occ2(timer)
-    if "occ3" in want:
-        section_occ3(timer)
-    if "occ4" in want:
-        section_occ4(timer)
-    if "burst" in want:
-        section_burst()
-    if "lean" in want:
-        section_lean()
+    for name, section in SECTIONS.items():
+        if name in want:
+            section(timer)
