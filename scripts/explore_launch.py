@@ -23,6 +23,7 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
   occ, occ2, occ3, occ4
            resident blocks per SM capped with dynamic shared memory, by block size, next to
            torch's kernels, and with the occupancy API and the carveout preference;
+  order    torch and ew_contig each timed first and last in a round (order bias?);
   burst    host cost per launch with the GPU free-running vs held busy (host- or GPU-bound?);
   lean     host cost of a flatter torch lean path (prototype) beside the library's;
   ncu      (--ncu) one call of each case for Nsight Compute to profile;
@@ -531,6 +532,31 @@ def section_occ4(timer):
                 del sets, fns
 
 
+def section_order(timer):
+    print("\n== order: is the 16-bit gap an artefact of timing order? torch and ew_contig (add) "
+          "each timed twice per round, first and last; GPU us, median of 5 interleaved rounds, "
+          "ratio torch/case ==", flush=True)
+    for dname, lgs in (("bfloat16", (24, 26, 28)), ("float16", (26,)), ("float32", (26,))):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        for lg in lgs:
+            n = 1 << lg
+            nvec = n // (16 // dt.itemsize)
+            sets = buffer_sets(n, tdt)
+            kc = cur_kernel(dt, 0)
+
+            def ours(s, kc=kc, nvec=nvec):
+                kc.launch(0, -(-nvec // 256), 256, 0, (s[2].data_ptr(), s[0].data_ptr(),
+                                                       s[1].data_ptr(), 0, 0, 0, 0, nvec, 0, 0))
+
+            def theirs(s):
+                torch.add(s[0], s[1], out=s[2])
+            fns = {"torch": theirs, "ew_contig": ours, "ew_contig again": ours,
+                   "torch again": theirs}
+            med = gpu_rounds(timer, fns, sets, rounds=5)
+            print(ratio_row(f"{dname:8s} 2^{lg}", med), flush=True)
+            del sets, fns
+
+
 def section_burst():
     print("\n== burst: host us per launch of an empty kernel, GPU held busy by a long kernel "
           "first (host-bound if it matches the free-running loop) ==", flush=True)
@@ -642,7 +668,7 @@ SECTIONS = {  # name -> runner, in the order they run
     "host": lambda t: section_host(), "graph": section_graph, "rows": section_rows,
     "memcpy": section_memcpy, "sizes": section_sizes, "hints": section_hints,
     "hints2": section_hints2, "occ": section_occ, "occ2": section_occ2, "occ3": section_occ3,
-    "occ4": section_occ4, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
+    "occ4": section_occ4, "order": section_order, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
 }
 
 if __name__ == "__main__":
