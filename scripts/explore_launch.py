@@ -68,6 +68,25 @@ def cur_kernel(dt, op):
     return _launch.Kernel(prog([name]), name, ["Q", "Q", "Q", "Q", t, t, t, "q", "q", "q"])
 
 
+def ew_add(dt, nvec, block=256, smem=0):
+    """f(a, b, d) launching the library's ew_contig add instance (all arrays) for ``nvec``
+    aligned 16-byte vectors on the default stream, ``smem`` bytes of dynamic shared memory."""
+    kc = cur_kernel(dt, 0)
+    grid = max(1, -(-nvec // block))
+    return lambda a, b, d: kc.launch(0, grid, block, 0, (d.data_ptr(), a.data_ptr(), b.data_ptr(),
+                                                         0, 0, 0, 0, nvec, 0, 0), shared_mem=smem)
+
+
+def on_set(f):
+    """f(a, b, d) as a function of one buffer set s = (a, b, d, ...)."""
+    return lambda s: f(s[0], s[1], s[2])
+
+
+def cap_smem(cap):
+    """Dynamic shared memory that leaves room for at most ``cap`` resident blocks per SM."""
+    return cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"] // cap - 1024 if cap else 0
+
+
 @functools.lru_cache(None)
 def x_kernel(dt, op, vpt, it):
     name = f"clx::x_vec<{dt.ctype}, {op}, {vpt}, {it}>"
@@ -91,10 +110,13 @@ def variants(dt, op, n):
     nvec = n // V
     t = dt.fmt
     out = {}
-    kc = cur_kernel(dt, op)
-    out["ew_contig"] = lambda a, b, d: kc.launch(
-        0, max(1, -(-nvec // 256)), 256, 0,
-        (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, nvec, 0, 0))
+    if op == 0:
+        out["ew_contig"] = ew_add(dt, nvec)
+    else:
+        kc = cur_kernel(dt, op)
+        out["ew_contig"] = lambda a, b, d: kc.launch(
+            0, max(1, -(-nvec // 256)), 256, 0,
+            (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, nvec, 0, 0))
     kx = x_kernel(dt, op, 1, "long long")
     out["x_vec1"] = lambda a, b, d: kx.launch(
         0, max(1, -(-nvec // 256)), 256, 0, (d.data_ptr(), a.data_ptr(), b.data_ptr(), nvec))
@@ -357,10 +379,7 @@ def section_hints(timer):
             grid = -(-nvec // 256)
             fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2]),
                    "cupylab.add": lambda s: cupylab.add(s[0], s[1], out=s[2])}
-            kc = cur_kernel(dt, 0)
-            fns["ew_contig"] = lambda s, kc=kc: kc.launch(
-                0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(), 0, 0, 0, 0,
-                                  nvec, 0, 0))
+            fns["ew_contig"] = on_set(ew_add(dt, nvec))
             for ld, st in HINTS:
                 k = named_kernel(f"clx::x_hint<{dt.ctype}, 0, {ld}, {st}>", ("Q", "Q", "Q", "q"))
                 fns[f"ld{ld}st{st}"] = lambda s, k=k: k.launch(
@@ -407,22 +426,16 @@ def section_occ(timer):
     print("\n== occ: ew_contig (add) with its resident blocks per SM capped by dynamic shared "
           "memory (torch's kernel runs at 34 registers, 63 % warps active; ew_contig at 25, "
           "81 %), GPU us, median of 3 interleaved rounds, ratio torch/variant ==", flush=True)
-    smem_sm = cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
     for dname, lgs in (("bfloat16", (24, 26, 28)), ("float32", (24, 26))):
         dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
         nvec = None
         for lg in lgs:
             n = 1 << lg
             nvec = n // (16 // dt.itemsize)
-            grid = -(-nvec // 256)
             sets = buffer_sets(n, tdt)
-            kc = cur_kernel(dt, 0)
             fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2])}
             for k in (8, 7, 6, 5):
-                smem = 0 if k == 8 else smem_sm // k - 1024
-                fns[f"{k}/SM"] = lambda s, smem=smem, grid=grid, nvec=nvec: kc.launch(
-                    0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(), 0, 0,
-                                      0, 0, nvec, 0, 0), shared_mem=smem)
+                fns[f"{k}/SM"] = on_set(ew_add(dt, nvec, smem=cap_smem(0 if k == 8 else k)))
             med = gpu_rounds(timer, fns, sets)
             print(ratio_row(f"{dname:8s} 2^{lg}", med), flush=True)
             del sets, fns
@@ -436,7 +449,6 @@ def section_occ2(timer):
     print("\n== occ2: ew_contig (add) by block size and resident blocks per SM (0: not capped; "
           "a cap is set with dynamic shared memory), GPU us, median of 3 interleaved rounds, "
           "ratio torch/variant ==", flush=True)
-    smem_sm = cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
     for dname, lgs in (("bfloat16", (22, 24, 26, 28)), ("float32", (24, 26)),
                        ("float64", (26,))):
         dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
@@ -444,14 +456,9 @@ def section_occ2(timer):
             n = 1 << lg
             nvec = n // (16 // dt.itemsize)
             sets = buffer_sets(n, tdt)
-            kc = cur_kernel(dt, 0)
             fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2])}
             for blk, cap in OCC2:
-                smem = smem_sm // cap - 1024 if cap else 0
-                fns[f"{blk}/{cap or '-'}"] = lambda s, smem=smem, blk=blk: kc.launch(
-                    0, -(-nvec // blk), blk, 0, (s[2].data_ptr(), s[0].data_ptr(),
-                                                 s[1].data_ptr(), 0, 0, 0, 0, nvec, 0, 0),
-                    shared_mem=smem)
+                fns[f"{blk}/{cap or '-'}"] = on_set(ew_add(dt, nvec, blk, cap_smem(cap)))
             med = gpu_rounds(timer, fns, sets)
             print(ratio_row(f"{dname:8s} 2^{lg}", med), flush=True)
             del sets, fns
@@ -459,10 +466,7 @@ def section_occ2(timer):
 
 def _capped(dt, nvec, cap):
     """ew_contig add launcher with at most ``cap`` resident 256-thread blocks per SM (0: none)."""
-    smem = cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"] // cap - 1024 if cap else 0
-    kc = cur_kernel(dt, 0)
-    return lambda a, b, d: kc.launch(0, -(-nvec // 256), 256, 0, (d.data_ptr(), a.data_ptr(),
-                                     b.data_ptr(), 0, 0, 0, 0, nvec, 0, 0), shared_mem=smem)
+    return ew_add(dt, nvec, smem=cap_smem(cap))
 
 
 def section_occ3(timer):
@@ -523,10 +527,7 @@ def section_occ4(timer):
                 sets = buffer_sets(n, tdt)
                 fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2])}
                 for sm in smems:
-                    fns[f"{sm}B(occ {occ[sm]})"] = lambda s, sm=sm, nvec=nvec: kc.launch(
-                        0, -(-nvec // 256), 256, 0, (s[2].data_ptr(), s[0].data_ptr(),
-                                                     s[1].data_ptr(), 0, 0, 0, 0, nvec, 0, 0),
-                        shared_mem=sm)
+                    fns[f"{sm}B(occ {occ[sm]})"] = on_set(ew_add(dt, nvec, smem=sm))
                 med = gpu_rounds(timer, fns, sets)
                 print(ratio_row(f"{phase:11s} {dname:8s} 2^{lg}", med), flush=True)
                 del sets, fns
@@ -542,11 +543,7 @@ def section_order(timer):
             n = 1 << lg
             nvec = n // (16 // dt.itemsize)
             sets = buffer_sets(n, tdt)
-            kc = cur_kernel(dt, 0)
-
-            def ours(s, kc=kc, nvec=nvec):
-                kc.launch(0, -(-nvec // 256), 256, 0, (s[2].data_ptr(), s[0].data_ptr(),
-                                                       s[1].data_ptr(), 0, 0, 0, 0, nvec, 0, 0))
+            ours = on_set(ew_add(dt, nvec))
 
             def theirs(s):
                 torch.add(s[0], s[1], out=s[2])
