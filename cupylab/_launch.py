@@ -15,7 +15,8 @@ import threading
 
 from . import _compile, _runtime
 
-__all__ = ["Kernel", "resolve_stream", "current_stream", "wait_for", "ensure_device"]
+__all__ = ["Kernel", "resolve_stream", "current_stream", "wait_for", "ensure_device",
+           "streaming_smem"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,6 +168,48 @@ class Kernel:
 _driver_launch = None
 
 
+# --------------------------------------------------------------------------------------------
+# residency of large streaming launches
+STREAM_MIN_GRID = 8192  # blocks of 256 threads (2^21 16-byte vectors) from which it applies
+_stream_smem: dict = {}  # device -> bytes of dynamic shared memory (0: none)
+
+
+def streaming_smem(kernel, device: int) -> int:
+    """Dynamic shared memory for a large one-vector-per-thread streaming launch of ``kernel``
+    (256-thread blocks, at least :data:`STREAM_MIN_GRID` of them) on ``device``: an amount
+    that leaves room for 6 resident blocks per SM instead of 8, or 0.
+
+    On the H200, 6 blocks of 256 threads (75 % of the threads an SM can hold, torch's
+    occupancy for these kernels) streamed 0.5-2 % faster than 8 in every lease measured, as
+    long as the L1/shared split stayed at 196 KiB of shared memory; reserving more, so that the
+    driver moves to 228 KiB, cost 3-4 % (docs/perf.md, "Resident blocks"). The amount is one
+    seventh of the SM's shared memory less the per-block reservation, which cannot fit 7
+    blocks and fits 6 in 196 KiB. Only for compute capability 9.x with 2,048 threads per SM,
+    and only when the driver's occupancy calculator confirms 6 blocks for ``kernel``; 0
+    elsewhere. The kernels use no shared memory: this only limits how many blocks share an SM.
+    """
+    s = _stream_smem.get(device)
+    if s is None:
+        s = _stream_smem.setdefault(device, _compute_streaming_smem(kernel, device))
+    return s
+
+
+def _compute_streaming_smem(kernel, device: int) -> int:
+    rt = _runtime.cupy().cuda.runtime
+    attr = rt.deviceGetAttribute
+    # cudaDevAttr: 75 compute capability major, 39 max threads per SM, 81 shared memory per SM,
+    # 111 reserved shared memory per block, 8 max shared memory per block (without opt-in)
+    if attr(75, device) != 9 or attr(39, device) != 2048:
+        return 0
+    smem = attr(81, device) // 7 - attr(111, device)
+    if not 0 < smem <= attr(8, device):
+        return 0
+    from cupy_backends.cuda.api import driver  # noqa: PLC0415
+
+    blocks = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.function(device), 256, smem)
+    return smem if blocks == 6 else 0
+
+
 def _launch_kernel():
     """The launch function: CuPy's binding of ``cuLaunchKernel`` (``f(func, gx, gy, gz, bx,
     by, bz, smem, stream, params, extra)``; raises on failure). Measured against a ctypes
@@ -188,10 +231,11 @@ class PreparedLaunch:
     """
 
     __slots__ = ("_f", "_grid", "_grid_y", "_grid_z", "_block", "_buf", "_params",
-                 "_params_addr", "_stream", "out", "device", "_keep")
+                 "_params_addr", "_stream", "out", "device", "_keep", "_smem")
 
-    def __init__(self, kernel, device, grid, block, args, stream, out, keep):
+    def __init__(self, kernel, device, grid, block, args, stream, out, keep, shared_mem=0):
         self.out = out
+        self._smem = shared_mem
         self.device = device
         self._keep = keep  # the operands: their memory must outlive the prepared call
         if type(grid) is tuple:
@@ -217,8 +261,8 @@ class PreparedLaunch:
             s = self._stream
             if not isinstance(s, int):
                 s = s()
-            _driver_launch(f, self._grid, self._grid_y, self._grid_z, self._block, 1, 1, 0, s,
-                           self._params_addr, 0)
+            _driver_launch(f, self._grid, self._grid_y, self._grid_z, self._block, 1, 1,
+                           self._smem, s, self._params_addr, 0)
         return self.out
 
     def __repr__(self):

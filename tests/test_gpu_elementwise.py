@@ -478,6 +478,49 @@ def test_vector_kernel_every_head_and_tail(dtype):
                                                   err_msg=f"{msg}: wrote outside the view")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_large_launches_with_the_residency_cap(dtype):
+    """Launches of at least STREAM_MIN_GRID blocks run with the shared-memory residency cap
+    (on compute capability 9.x: checked to be in force) and stay correct: an odd-sized offset
+    view, array and scalar operands, through the lean path, the general path (stream=0) and
+    a prepared call; nothing written outside the view."""
+    import cupy as cp
+
+    from cupylab import _launch
+    from gpu_util import np_dtype, poison_value
+
+    rng = np.random.default_rng()
+    vw = 16 // np.dtype(np_dtype(dtype)).itemsize
+    n = _launch.STREAM_MIN_GRID * 256 * vw + 3
+    off, size = 1, n + 6
+    sl = slice(off, off + n)
+    hs = [host_data(rng, (size,), dtype) for _ in range(3)]
+    a, b, s = (from_host("cupy", h) for h in hs)
+    rtol, atol = reference.tolerance(dtype)
+    poison = to_f64(np.asarray([poison_value(dtype)]).astype(np_dtype(dtype)))[0]
+    for op, args, hargs in (("add", (a[sl], b[sl]), (hs[0][sl], hs[1][sl])),
+                            ("fused_add_mul", (a[sl], b[sl], s[sl]),
+                             (hs[0][sl], hs[1][sl], hs[2][sl])),
+                            ("fused_add_mul", (a[sl], b[sl], 2), (hs[0][sl], hs[1][sl], 2))):
+        ref = reference.reference(op, *[to_f64(h) if isinstance(h, np.ndarray) else np.float64(h)
+                                        for h in hargs])
+        for how in ("lean", "general", "prepared"):
+            out = empty_poisoned("cupy", (size,), dtype)
+            if how == "prepared":
+                cupylab.prepare(getattr(cupylab, op), *args, out=out[sl])()
+            else:
+                getattr(cupylab, op)(*args, out=out[sl], **({"stream": 0} if how == "general"
+                                                            else {}))
+            got = to_f64(to_host(out))
+            msg = f"{op} {dtype} n {n} {how}"
+            np.testing.assert_allclose(got[sl], ref, rtol=rtol, atol=atol, err_msg=msg)
+            outside = np.concatenate([got[:off], got[off + n:]])
+            np.testing.assert_array_equal(outside, np.full_like(outside, poison),
+                                          err_msg=f"{msg}: wrote outside the view")
+    if cp.cuda.Device().compute_capability.startswith("9"):
+        assert _launch._stream_smem[cp.cuda.Device().id] > 0
+
+
 def test_rows_kernel_more_rows_than_grid_y():
     """More than 65535 rows: the row kernel spreads rows over grid y and z."""
     import cupy as cp

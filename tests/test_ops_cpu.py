@@ -210,6 +210,7 @@ def test_lean_launch_matches_contiguous_plan(monkeypatch):
                     where = f"{name} op {op} n {n} offsets {offs}"
                     assert f == k._fns[0] and (gx, gy, gz, bx) == (grid, 1, 1, ew.BLOCK), where
                     assert got[:4] == bp and got[7:] == sizes, where
+                    assert _rest[3] == 0, where  # small launches: no residency cap
 
 
 def test_public_operators_try_the_lean_handler_with_their_operator(monkeypatch):
@@ -255,3 +256,70 @@ def test_cupy_keeps_the_contiguity_attribute_the_lean_path_reads():
     import inspect
 
     assert "ndarray(shape, dtype" in inspect.getsource(cp.empty)
+
+
+def test_large_vector_launches_get_the_residency_cap_on_both_paths(monkeypatch):
+    """From STREAM_MIN_GRID blocks on, the 16-byte-vector ew_contig launches carry the dynamic
+    shared memory of _launch.streaming_smem (the lean path and the general path's choice
+    agree); scalar (mixed-alignment) launches and smaller grids carry none."""
+    from cupylab import _launch
+    from cupylab.ops import _fast, elementwise as ew
+
+    calls = []
+    monkeypatch.setattr(_launch, "_driver_launch", lambda *a: calls.append(a))
+    monkeypatch.setitem(_launch._stream_smem, 0, 32329)
+    base = 1 << 30
+    for name in ("bfloat16", "float32", "float64"):
+        dt = DTYPES[name]
+        vw = 16 // dt.itemsize
+        ks = {v: ew._kernel(0, dt, v) for v in ("vec_arrays", "vec", "scalar")}
+        for h, k in enumerate(ks.values(), 1):
+            monkeypatch.setitem(k._fns, 0, h)
+        info = (dt, ks["vec_arrays"], ks["vec"], ks["scalar"], vw, False, dt.itemsize)
+        edge = _launch.STREAM_MIN_GRID * ew.BLOCK * vw
+        seen_big = set()
+        for n, offs in ((edge, (0, 0, 0)), (edge - ew.BLOCK * vw, (0, 0, 0)), (edge + 3, (4, 4, 4)),
+                        (edge, (0, 0, None)), (edge, (0, 4, 8))):
+            ptrs = [0 if o is None else base + (i << 28) + o for i, o in enumerate(offs)] + [0]
+            k, grid, _, _ = ew.contiguous_plan(0, dt, n, ptrs)
+            calls.clear()
+            _fast._launch(info, n, ptrs[0], ptrs[1], ptrs[2], 0, 0, 0, 0, 0)
+            (call,) = calls
+            want = ew.streaming_smem_for(k, grid, 0)
+            where = f"{name} n {n} offsets {offs}"
+            assert call[7] == want, where
+            big = grid >= _launch.STREAM_MIN_GRID and k is not ks["scalar"]
+            assert want == (32329 if big else 0), where
+            seen_big.add(big)
+        assert seen_big == {True, False}
+
+
+def test_streaming_smem_only_where_the_occupancy_calculator_confirms_six_blocks(monkeypatch):
+    """_launch.streaming_smem: one seventh of the SM's shared memory less the per-block
+    reservation on compute capability 9.x with 2,048 threads per SM, when the occupancy API
+    then reports 6 blocks of 256; 0 otherwise (no GPU: the attributes are faked)."""
+    import types
+
+    from cupy_backends.cuda.api import driver
+
+    from cupylab import _launch, _runtime
+
+    h200 = {75: 9, 39: 2048, 81: 233472, 111: 1024, 8: 49152}
+    blocks = {}
+
+    def fake(attrs):
+        rt = types.SimpleNamespace(deviceGetAttribute=lambda a, d: attrs[a])
+        return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
+
+    monkeypatch.setattr(driver, "occupancyMaxActiveBlocksPerMultiprocessor",
+                        lambda f, b, smem: blocks.setdefault((f, b, smem), 6))
+    kern = types.SimpleNamespace(function=lambda d: 77)
+    for attrs, answer, want in ((h200, 6, 233472 // 7 - 1024), (h200, 7, 0),
+                                ({**h200, 75: 8}, 6, 0), ({**h200, 39: 1536}, 6, 0),
+                                ({**h200, 8: 16384}, 6, 0)):
+        monkeypatch.setattr(_runtime, "cupy", lambda attrs=attrs: fake(attrs))
+        monkeypatch.setattr(_launch, "_stream_smem", {})
+        blocks.clear()
+        blocks[(77, 256, 233472 // 7 - 1024)] = answer
+        assert _launch.streaming_smem(kern, 0) == want, (attrs, answer)
+        assert _launch._stream_smem == {0: want}  # computed once per device

@@ -21,6 +21,7 @@ _OP_ADD_MUL = 4  # cupylab.ops.elementwise.OPS["fused_add_mul"]: the one op read
 
 _kernel = None
 _BLOCK = 256
+_STREAM_MIN_GRID = _launch_mod.STREAM_MIN_GRID
 _handlers: dict = {}
 _kinfo = tuple({} for _ in range(_OP_ADD_MUL + 1))  # [op]: framework dtype -> info or None
 _get_device = None
@@ -146,8 +147,14 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
     except AttributeError:
         buf, _, params = k._buffers()
     k._struct.pack_into(buf, 0, optr, p0, p1, p2, 0, s1, s2, nvec, head, tail)
+    grid = -(-(nvec + head + tail) // _BLOCK)
+    smem = 0
+    if grid >= _STREAM_MIN_GRID and k is not kscal:  # elementwise.streaming_smem_for
+        smem = _launch_mod._stream_smem.get(dev)
+        if smem is None:
+            smem = _launch_mod.streaming_smem(k, dev)
     (_launch_mod._driver_launch or _launch_mod._launch_kernel())(
-        f, -(-(nvec + head + tail) // _BLOCK), 1, 1, _BLOCK, 1, 1, 0, stream, params, 0)
+        f, grid, 1, 1, _BLOCK, 1, 1, smem, stream, params, 0)
 
 
 # _torch and _cupy have the same shape on purpose: each reads its framework's attributes

@@ -26,6 +26,7 @@ _INT32_MAX = 2**31 - 1
 
 _programs: dict = {}
 _kernels: dict = {}
+_streaming: set = set()  # the 16-byte-vector ew_contig kernels (see streaming_smem_for)
 
 
 def vector_width(dt) -> int:
@@ -81,7 +82,18 @@ def _kernel(op, dt, variant):
         if fmts is None:
             fmts = ["Q", "Q", "Q", "Q", t, t, t, "q", "q", "q"]
         k = _kernels.setdefault(key, _launch.Kernel(program(dt), name, fmts))
+        if variant in ("vec_arrays", "vec"):
+            _streaming.add(k)
     return k
+
+
+def streaming_smem_for(k, grid, device):
+    """Dynamic shared memory for launching ``k`` over ``grid`` blocks: the residency cap of
+    :func:`cupylab._launch.streaming_smem` for a large launch of a 16-byte-vector ``ew_contig``
+    kernel, else 0. The lean path (``_fast._launch``) makes the same choice."""
+    if type(grid) is int and grid >= _launch.STREAM_MIN_GRID and k in _streaming:
+        return _launch.streaming_smem(k, device)
+    return 0
 
 
 def _check_arith(opname):
@@ -106,7 +118,8 @@ def _run(opname, operands, names, out, stream, allow_scalars, kernel_op=None):
             if type(grid) is tuple:
                 k.launch(c.device, grid[0], BLOCK, c.stream, args, grid_yz=grid[1:])
             else:
-                k.launch(c.device, grid, BLOCK, c.stream, args)
+                k.launch(c.device, grid, BLOCK, c.stream, args,
+                         shared_mem=streaming_smem_for(k, grid, c.device))
     return finish_output(c.kind, c.out_obj, c.stream, c.device) if c.allocated else c.out_obj
 
 
@@ -263,10 +276,11 @@ def prepare(fn, *args, out=None, stream=None):
         return _launch.PreparedLaunch(None, c.device, 0, BLOCK, None, None, result, args)
     with _launch.ensure_device(c.device):
         k, grid, kargs = plan(OPS[kop], c)
+        smem = streaming_smem_for(k, grid, c.device)
     fixed = None if stream is None else c.stream
     getter = (lambda d=c.device, kind=c.kind: _launch.current_stream(kind, d))
     return _launch.PreparedLaunch(k, c.device, grid, BLOCK, kargs, fixed if fixed is not None
-                                  else getter, result, (args, c))
+                                  else getter, result, (args, c), shared_mem=smem)
 
 
 _COMMON_DOC = """
