@@ -6,7 +6,9 @@
 #   ncu      Nsight Compute on torch's and cupylab's elementwise kernels;
 #   ncu16    the same for bf16/fp32 add at 2^26 with the cache-policy variants (traffic, stalls);
 #   sweep    scripts/bench_sweep.sh with the installed console script (needs cli);
-#   host     scripts/host_profile.py (where the host time of a small call goes).
+#   host     scripts/host_profile.py (where the host time of a small call goes);
+#   medium   the installed console script at every power 2^20..2^23, float dtypes, beside torch,
+#            7 repeats (the L2-resident range of issue 4, where the ratios are within noise).
 # Usage: scripts/gpu_explore.sh OUTDIR   (STEPS picks steps; logs and results.tgz in OUTDIR)
 set -u
 cd "$(dirname "$0")/.."
@@ -74,6 +76,12 @@ if has sweep; then
     PEERS=${PEERS:-torch,cupy} bash "$ROOT/scripts/bench_sweep.sh" "$OUT/r/sweep") \
     > "$OUT/sweep_run.log" 2>&1
   echo "sweep rc=$?"; grep -E "^\+|exit|done" "$OUT/sweep_run.log"
+fi
+if has medium; then
+  (export PYTHONPATH=$SITE; cd /tmp && "$PFX/bin/cupylab-bench" run \
+    --dtype float16,bfloat16,float32,float64 --size '2^20..2^23' --framework torch \
+    --peers torch --repeat 7 --json "$OUT/r/medium.json") > "$OUT/r/medium.log" 2>&1
+  echo "medium rc=$?"; cat "$OUT/r/medium.log"
 fi
 if has host; then
   (cd scripts && PYTHONPATH=$ROOT python3 host_profile.py) > "$OUT/r/host_profile.log" 2>&1

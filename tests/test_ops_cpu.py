@@ -261,7 +261,7 @@ def test_cupy_keeps_the_contiguity_attribute_the_lean_path_reads():
 def test_large_vector_launches_get_the_residency_cap_on_both_paths(monkeypatch):
     """From STREAM_MIN_GRID blocks on, the 16-byte-vector ew_contig launches carry the dynamic
     shared memory of _launch.streaming_smem (the lean path and the general path's choice
-    agree); scalar (mixed-alignment) launches and smaller grids carry none."""
+    agree); scalar (mixed-alignment) launches, smaller grids and integer div carry none."""
     from cupylab import _launch
     from cupylab.ops import _fast, elementwise as ew
 
@@ -269,29 +269,35 @@ def test_large_vector_launches_get_the_residency_cap_on_both_paths(monkeypatch):
     monkeypatch.setattr(_launch, "_driver_launch", lambda *a: calls.append(a))
     monkeypatch.setitem(_launch._stream_smem, 0, 32329)
     base = 1 << 30
-    for name in ("bfloat16", "float32", "float64"):
+    seen_capped = set()
+    for name in ("bfloat16", "float32", "float64", "int32", "int64"):
         dt = DTYPES[name]
         vw = 16 // dt.itemsize
-        ks = {v: ew._kernel(0, dt, v) for v in ("vec_arrays", "vec", "scalar")}
-        for h, k in enumerate(ks.values(), 1):
-            monkeypatch.setitem(k._fns, 0, h)
-        info = (dt, ks["vec_arrays"], ks["vec"], ks["scalar"], vw, False, dt.itemsize)
-        edge = _launch.STREAM_MIN_GRID * ew.BLOCK * vw
-        seen_big = set()
-        for n, offs in ((edge, (0, 0, 0)), (edge - ew.BLOCK * vw, (0, 0, 0)), (edge + 3, (4, 4, 4)),
-                        (edge, (0, 0, None)), (edge, (0, 4, 8))):
-            ptrs = [0 if o is None else base + (i << 28) + o for i, o in enumerate(offs)] + [0]
-            k, grid, _, _ = ew.contiguous_plan(0, dt, n, ptrs)
-            calls.clear()
-            _fast._launch(info, n, ptrs[0], ptrs[1], ptrs[2], 0, 0, 0, 0, 0)
-            (call,) = calls
-            want = ew.streaming_smem_for(k, grid, 0)
-            where = f"{name} n {n} offsets {offs}"
-            assert call[7] == want, where
-            big = grid >= _launch.STREAM_MIN_GRID and k is not ks["scalar"]
-            assert want == (32329 if big else 0), where
-            seen_big.add(big)
-        assert seen_big == {True, False}
+        for op in (ew.OPS["add"], ew.OPS["div"]):
+            ks = {v: ew._kernel(op, dt, v) for v in ("vec_arrays", "vec", "scalar")}
+            for h, k in enumerate(ks.values(), 1):
+                monkeypatch.setitem(k._fns, 0, h)
+            info = (dt, ks["vec_arrays"], ks["vec"], ks["scalar"], vw, False, dt.itemsize)
+            capped = not (op == ew.OPS["div"] and dt.kind == "i")
+            edge = _launch.STREAM_MIN_GRID * ew.BLOCK * vw
+            seen_big = set()
+            for n, offs in ((edge, (0, 0, 0)), (edge - ew.BLOCK * vw, (0, 0, 0)),
+                            (edge + 3, (4, 4, 4)), (edge, (0, 0, None)), (edge, (0, 4, 8))):
+                ptrs = [0 if o is None else base + (i << 28) + o for i, o in enumerate(offs)]
+                ptrs.append(0)
+                k, grid, _, _ = ew.contiguous_plan(op, dt, n, ptrs)
+                calls.clear()
+                _fast._launch(info, n, ptrs[0], ptrs[1], ptrs[2], 0, 0, 0, 0, 0)
+                (call,) = calls
+                want = ew.streaming_smem_for(k, grid, 0)
+                where = f"{name} op {op} n {n} offsets {offs}"
+                assert call[7] == want, where
+                big = grid >= _launch.STREAM_MIN_GRID and k is not ks["scalar"]
+                assert want == (32329 if big and capped else 0), where
+                seen_big.add(big)
+            assert seen_big == {True, False}
+            seen_capped.add(capped)
+    assert seen_capped == {True, False}
 
 
 def test_streaming_smem_only_where_the_occupancy_calculator_confirms_six_blocks(monkeypatch):

@@ -20,6 +20,7 @@ ABSENT = object()  # the third operand of a two-operand call
 _OP_ADD_MUL = 4  # cupylab.ops.elementwise.OPS["fused_add_mul"]: the one op reading c
 
 _kernel = None
+_smem_for = None
 _BLOCK = 256
 _STREAM_MIN_GRID = _launch_mod.STREAM_MIN_GRID
 _handlers: dict = {}
@@ -31,10 +32,11 @@ _cupy_ndarray = None
 _torch_empty_like = None
 
 
-def bind(kernel_fn, block):
-    """Called once by cupylab.ops.elementwise with its kernel lookup and block size."""
-    global _kernel, _BLOCK
-    _kernel, _BLOCK = kernel_fn, block
+def bind(kernel_fn, block, smem_for):
+    """Called once by cupylab.ops.elementwise with its kernel lookup, block size and
+    residency-cap rule (``streaming_smem_for``)."""
+    global _kernel, _BLOCK, _smem_for
+    _kernel, _BLOCK, _smem_for = kernel_fn, block, smem_for
 
 
 def _dtype(op, fdt):
@@ -148,11 +150,8 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
         buf, _, params = k._buffers()
     k._struct.pack_into(buf, 0, optr, p0, p1, p2, 0, s1, s2, nvec, head, tail)
     grid = -(-(nvec + head + tail) // _BLOCK)
-    smem = 0
-    if grid >= _STREAM_MIN_GRID and k is not kscal:  # elementwise.streaming_smem_for
-        smem = _launch_mod._stream_smem.get(dev)
-        if smem is None:
-            smem = _launch_mod.streaming_smem(k, dev)
+    # the residency cap: only large grids ask elementwise.streaming_smem_for (the shared rule)
+    smem = _smem_for(k, grid, dev) if grid >= _STREAM_MIN_GRID else 0
     (_launch_mod._driver_launch or _launch_mod._launch_kernel())(
         f, grid, 1, 1, _BLOCK, 1, 1, smem, stream, params, 0)
 

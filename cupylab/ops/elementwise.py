@@ -26,7 +26,7 @@ _INT32_MAX = 2**31 - 1
 
 _programs: dict = {}
 _kernels: dict = {}
-_streaming: set = set()  # the 16-byte-vector ew_contig kernels (see streaming_smem_for)
+_streaming: set = set()  # the ew_contig kernels that take the residency cap (streaming_smem_for)
 
 
 def vector_width(dt) -> int:
@@ -82,7 +82,9 @@ def _kernel(op, dt, variant):
         if fmts is None:
             fmts = ["Q", "Q", "Q", "Q", t, t, t, "q", "q", "q"]
         k = _kernels.setdefault(key, _launch.Kernel(program(dt), name, fmts))
-        if variant in ("vec_arrays", "vec"):
+        if variant in ("vec_arrays", "vec") and not (op == OPS["div"] and dt.kind == "i"):
+            # integer floor division is compute-bound: with fewer resident warps it hides
+            # less latency and lost 2-5 % (docs/perf.md, "Resident blocks"), so it keeps 8
             _streaming.add(k)
     return k
 
@@ -90,7 +92,9 @@ def _kernel(op, dt, variant):
 def streaming_smem_for(k, grid, device):
     """Dynamic shared memory for launching ``k`` over ``grid`` blocks: the residency cap of
     :func:`cupylab._launch.streaming_smem` for a large launch of a 16-byte-vector ``ew_contig``
-    kernel, else 0. The lean path (``_fast._launch``) makes the same choice."""
+    kernel (except integer ``div``), else 0. Every launch path calls this: the general path,
+    :func:`prepare`, and the lean path (``_fast._launch``, for grids of at least
+    ``STREAM_MIN_GRID`` blocks)."""
     if type(grid) is int and grid >= _launch.STREAM_MIN_GRID and k in _streaming:
         return _launch.streaming_smem(k, device)
     return 0
@@ -511,4 +515,4 @@ _PREPARABLE = {
     vector_add: ("vector_add", ("x", "y"), (False, False), "add"),
     fused_add_mul: ("fused_add_mul", ("a", "b", "s"), (False, False, True), "fused_add_mul"),
 }
-_fast.bind(_kernel, BLOCK)
+_fast.bind(_kernel, BLOCK, streaming_smem_for)
