@@ -170,7 +170,9 @@ _driver_launch = None
 
 # --------------------------------------------------------------------------------------------
 # residency of large streaming launches
-STREAM_MIN_GRID = 8192  # blocks of 256 threads (2^21 16-byte vectors) from which it applies
+# blocks of 256 threads (2^18 16-byte vectors) from which it applies: above the 792 blocks that
+# fit at 6 per SM on an H200, and measured faster from there on (docs/perf.md, "Resident blocks")
+STREAM_MIN_GRID = 1024
 _stream_smem: dict = {}  # device -> bytes of dynamic shared memory (0: none)
 
 
