@@ -8,7 +8,7 @@
 #   sweep    scripts/bench_sweep.sh with the installed console script (needs cli);
 #   host     scripts/host_profile.py (where the host time of a small call goes);
 #   medium   the installed console script at every power 2^20..2^23, float dtypes, beside torch,
-#            7 repeats (the L2-resident range of issue 4, where the ratios are within noise).
+#            7 repeats (the L2-resident range of issue 4's medium-size target).
 # Usage: scripts/gpu_explore.sh OUTDIR   (STEPS picks steps; logs and results.tgz in OUTDIR)
 set -u
 cd "$(dirname "$0")/.."
