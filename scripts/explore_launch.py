@@ -23,7 +23,8 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
   occ, occ2, occ3, occ4
            resident blocks per SM capped with dynamic shared memory, by block size, next to
            torch's kernels, and with the occupancy API and the carveout preference;
-  occ5     the cap at medium sizes (2^20..2^23: below the library's STREAM_MIN_GRID);
+  occ5     the cap at medium sizes (2^20..2^23: below the third session's STREAM_MIN_GRID);
+  occ6     the same with one buffer set reused every call (operands L2-resident);
   order    torch and ew_contig each timed first and last in a round (order bias?);
   burst    host cost per launch with the GPU free-running vs held busy (host- or GPU-bound?);
   lean     host cost of a flatter torch lean path (prototype) beside the library's;
@@ -534,10 +535,10 @@ def section_occ4(timer):
                 del sets, fns
 
 
-def section_occ5(timer):
-    print("\n== occ5: medium sizes (2^20..2^23), the library's ew_contig (add, div) uncapped (8 "
-          "blocks per SM) and with the residency cap's 32,329 B (6 per SM), beside torch; GPU us, "
-          "median of 5 interleaved rounds, ratio torch/variant; grid = blocks of 256 ==",
+def _occ_medium(timer, title, hot):
+    print(f"\n== {title}: medium sizes (2^20..2^23), the library's ew_contig (add, div) uncapped "
+          "(8 blocks per SM) and with the residency cap's 32,329 B (6 per SM), beside torch; GPU "
+          "us, median of 5 interleaved rounds, ratio torch/variant; grid = blocks of 256 ==",
           flush=True)
     smem = cap_smem(7)  # 233,472 // 7 - 1,024 = 32,329 B on the H200: 6 blocks per SM
     for dname, lgs in (("bfloat16", (20, 21, 22, 23)), ("float16", (22, 23)),
@@ -550,7 +551,8 @@ def section_occ5(timer):
                 n = 1 << lg
                 nvec = n // (16 // dt.itemsize)
                 grid = -(-nvec // 256)
-                sets = buffer_sets(n, tdt)
+                sets = ([[torch.randn(n, device="cuda").to(tdt) for _ in range(3)]] if hot
+                        else buffer_sets(n, tdt))
                 fns = {"torch": lambda s, peer=peer: peer(s[0], s[1], out=s[2])}
                 for label, sm in (("8/SM", 0), ("6/SM", smem)):
                     fns[label] = lambda s, sm=sm, grid=grid, nvec=nvec: kc.launch(
@@ -559,6 +561,14 @@ def section_occ5(timer):
                 med = gpu_rounds(timer, fns, sets, rounds=5)
                 print(ratio_row(f"{dname:8s} {opname} 2^{lg} grid {grid:5d}", med), flush=True)
                 del sets, fns
+
+
+def section_occ5(timer):
+    _occ_medium(timer, "occ5 (inputs rotated through buffer sets spanning 2x L2)", hot=False)
+
+
+def section_occ6(timer):
+    _occ_medium(timer, "occ6 (one buffer set, the same every call: L2-resident)", hot=True)
 
 
 def section_order(timer):
@@ -693,7 +703,8 @@ SECTIONS = {  # name -> runner, in the order they run
     "host": lambda t: section_host(), "graph": section_graph, "rows": section_rows,
     "memcpy": section_memcpy, "sizes": section_sizes, "hints": section_hints,
     "hints2": section_hints2, "occ": section_occ, "occ2": section_occ2, "occ3": section_occ3,
-    "occ4": section_occ4, "occ5": section_occ5, "order": section_order, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
+    "occ4": section_occ4, "occ5": section_occ5, "occ6": section_occ6,
+    "order": section_order, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
 }
 
 if __name__ == "__main__":
