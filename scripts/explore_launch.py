@@ -25,14 +25,17 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
            torch's kernels, and with the occupancy API and the carveout preference;
   occ5     the cap at medium sizes (2^20..2^23: below the third session's STREAM_MIN_GRID);
   occ6     the same with one buffer set reused every call (operands L2-resident);
+  occ7     hot and cold medium operands, more rounds, beside two other shapes (x2, b128);
   order    torch and ew_contig each timed first and last in a round (order bias?);
   burst    host cost per launch with the GPU free-running vs held busy (host- or GPU-bound?);
   lean     host cost of a flatter torch lean path (prototype) beside the library's;
   ncu      (--ncu) one call of each case for Nsight Compute to profile;
   ncu16    (--ncu16) bf16/fp32 add at 2^26, torch, ew_contig and x_hint variants;
-  ncuocc   (--ncuocc) bf16/fp32/fp64 add at 2^26, ew_contig uncapped and capped.
+  ncuocc   (--ncuocc) bf16/fp32/fp64 add at 2^26, ew_contig uncapped and capped;
+  ncuhot   (--ncuhot) fp64 add 2^21 and fp32 add 2^22 on L2-resident operands: torch,
+           ew_contig uncapped and capped (L2 hit rate, DRAM traffic).
 
-Usage: python scripts/explore_launch.py [SECTION ...] | --ncu | --ncu16 | --ncuocc
+Usage: python scripts/explore_launch.py [SECTION ...] | --ncu | --ncu16 | --ncuocc | --ncuhot
 """
 import ctypes
 import functools
@@ -135,13 +138,13 @@ def variants(dt, op, n):
     return out
 
 
-def gpu_rounds(timer, fns, sets, rounds=3):
+def gpu_rounds(timer, fns, sets, rounds=3, reps=5):
     """{name: median GPU µs} over ``rounds`` interleaved rounds; ``fns[name](s)`` launches one
     call on buffer set ``s`` (rotated through ``sets``)."""
     res = {k: [] for k in fns}
     for _ in range(rounds):
         for name, f in fns.items():
-            res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], 5).median)
+            res[name].append(timer.events([lambda s=s, f=f: f(s) for s in sets], reps).median)
     return {k: statistics.median(v) for k, v in res.items()}
 
 
@@ -508,6 +511,22 @@ def ncuocc_cases():
     torch.cuda.synchronize()
 
 
+def ncuhot_cases():
+    """fp64 add at 2^21 and fp32 add at 2^22 (48 MB per call) on one L2-resident buffer set:
+    torch, ew_contig uncapped and capped, three times each, interleaved (profile with
+    ``ncu --cache-control none`` so that the L2 stays warm between kernels)."""
+    for dname, lg in (("float64", 21), ("float32", 22)):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        n = 1 << lg
+        nvec = n // (16 // dt.itemsize)
+        a, b, d = (torch.randn(n, device="cuda").to(tdt) for _ in range(3))
+        for _ in range(3):
+            torch.add(a, b, out=d)
+            _capped(dt, nvec, 0)(a, b, d)
+            _capped(dt, nvec, 7)(a, b, d)
+    torch.cuda.synchronize()
+
+
 def section_occ4(timer):
     print("\n== occ4: ew_contig add, 256 threads, by dynamic shared memory per block, with the "
           "driver's default L1/shared carveout, then with the carveout preference at 100 % "
@@ -535,17 +554,26 @@ def section_occ4(timer):
                 del sets, fns
 
 
-def _occ_medium(timer, title, hot):
+MEDIUM_CASES = (("bfloat16", (20, 21, 22, 23)), ("float16", (22, 23)),
+                ("float32", (20, 21, 22)), ("float64", (20, 21)))
+
+
+def _occ_medium(timer, title, hot, cases=MEDIUM_CASES, rounds=5, reps=5, shapes=False):
+    """Medium sizes: torch beside ew_contig uncapped and capped (and, with ``shapes``, x_vec with
+    2 vectors per thread and with blocks of 128), one L2-resident buffer set (``hot``) or sets
+    rotated over 2x L2; one printed row per case."""
     print(f"\n== {title}: medium sizes (2^20..2^23), the library's ew_contig (add, div) uncapped "
-          "(8 blocks per SM) and with the residency cap's 32,329 B (6 per SM), beside torch; GPU "
-          "us, median of 5 interleaved rounds, ratio torch/variant; grid = blocks of 256 ==",
-          flush=True)
+          "(8 blocks per SM) and with the residency cap's 32,329 B (6 per SM)"
+          + (", x_vec with 2 vectors per thread in blocks of 256 (x2) and with 1 in blocks of "
+             "128 (b128)" if shapes else "")
+          + f", beside torch; GPU us, median of {rounds} interleaved rounds of {reps} batches, "
+          "ratio torch/variant; grid = blocks of 256 ==", flush=True)
     smem = cap_smem(7)  # 233,472 // 7 - 1,024 = 32,329 B on the H200: 6 blocks per SM
-    for dname, lgs in (("bfloat16", (20, 21, 22, 23)), ("float16", (22, 23)),
-                       ("float32", (20, 21, 22)), ("float64", (20, 21))):
+    for dname, lgs in cases:
         dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
         for opname, op in OPS.items():
             kc = cur_kernel(dt, op)
+            k2, k1 = x_kernel(dt, op, 2, "long long"), x_kernel(dt, op, 1, "long long")
             peer = torch.add if op == 0 else torch.div
             for lg in lgs:
                 n = 1 << lg
@@ -558,8 +586,14 @@ def _occ_medium(timer, title, hot):
                     fns[label] = lambda s, sm=sm, grid=grid, nvec=nvec: kc.launch(
                         0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(),
                                           0, 0, 0, 0, nvec, 0, 0), shared_mem=sm)
-                med = gpu_rounds(timer, fns, sets, rounds=5)
-                print(ratio_row(f"{dname:8s} {opname} 2^{lg} grid {grid:5d}", med), flush=True)
+                if shapes:
+                    for label, k, per_block, block in (("x2", k2, 512, 256), ("b128", k1, 128, 128)):
+                        fns[label] = lambda s, k=k, g=-(-nvec // per_block), block=block, \
+                            nvec=nvec: k.launch(0, g, block, 0, (s[2].data_ptr(), s[0].data_ptr(),
+                                                                 s[1].data_ptr(), nvec))
+                med = gpu_rounds(timer, fns, sets, rounds=rounds, reps=reps)
+                label = (("hot  " if hot else "cold ") if shapes else "") + f"{dname:8s}"
+                print(ratio_row(f"{label} {opname} 2^{lg} grid {grid:5d}", med), flush=True)
                 del sets, fns
 
 
@@ -569,6 +603,13 @@ def section_occ5(timer):
 
 def section_occ6(timer):
     _occ_medium(timer, "occ6 (one buffer set, the same every call: L2-resident)", hot=True)
+
+
+def section_occ7(timer):
+    cases = (("bfloat16", (21, 22, 23)), ("float32", (20, 21, 22)), ("float64", (20, 21)))
+    for hot in (True, False):
+        _occ_medium(timer, f"occ7 ({'hot: one buffer set' if hot else 'cold: rotated sets'})",
+                    hot, cases, rounds=9, reps=7, shapes=True)
 
 
 def section_order(timer):
@@ -698,12 +739,13 @@ def ncu16_cases():
     torch.cuda.synchronize()
 
 
-NCU_MODES = {"--ncu": ncu_cases, "--ncuocc": ncuocc_cases, "--ncu16": ncu16_cases}
+NCU_MODES = {"--ncu": ncu_cases, "--ncuocc": ncuocc_cases, "--ncu16": ncu16_cases,
+             "--ncuhot": ncuhot_cases}
 SECTIONS = {  # name -> runner, in the order they run
     "host": lambda t: section_host(), "graph": section_graph, "rows": section_rows,
     "memcpy": section_memcpy, "sizes": section_sizes, "hints": section_hints,
     "hints2": section_hints2, "occ": section_occ, "occ2": section_occ2, "occ3": section_occ3,
-    "occ4": section_occ4, "occ5": section_occ5, "occ6": section_occ6,
+    "occ4": section_occ4, "occ5": section_occ5, "occ6": section_occ6, "occ7": section_occ7,
     "order": section_order, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
 }
 

@@ -5,6 +5,8 @@
 #   explore  scripts/explore_launch.py (launch-shape experiments beside torch);
 #   ncu      Nsight Compute on torch's and cupylab's elementwise kernels;
 #   ncu16    the same for bf16/fp32 add at 2^26 with the cache-policy variants (traffic, stalls);
+#   ncuocc   ew_contig add at 2^26 uncapped and capped (occupancy, DRAM throughput);
+#   ncuhot   fp64/fp32 add on L2-resident 48 MB operands: torch, uncapped, capped (L2 hit rate);
 #   sweep    scripts/bench_sweep.sh with the installed console script (needs cli);
 #   host     scripts/host_profile.py (where the host time of a small call goes);
 #   medium   the installed console script at every power 2^20..2^23, float dtypes, beside torch,
@@ -30,8 +32,8 @@ if has explore; then
   PYTHONPATH=$PWD python3 scripts/explore_launch.py ${EXPLORE:-} > "$OUT/explore.log" 2>&1
   echo "explore rc=$?"; cat "$OUT/explore.log"
 fi
-run_ncu() {  # run_ncu NAME MODE METRICS: Nsight Compute over `explore_launch.py MODE`
-  PYTHONPATH=$ROOT ncu --clock-control none --csv --metrics "$3" \
+run_ncu() {  # run_ncu NAME MODE METRICS [NCU OPTION...]: Nsight Compute over `explore_launch.py MODE`
+  PYTHONPATH=$ROOT ncu --clock-control none "${@:4}" --csv --metrics "$3" \
     python3 scripts/explore_launch.py "$2" > "$OUT/r/$1.csv" 2> "$OUT/r/$1.err"
   echo "$1 rc=$?"
   python3 - "$OUT/r/$1.csv" <<'PY' > "$OUT/$1.txt"
@@ -59,6 +61,13 @@ if has ncuocc; then
 launch__occupancy_limit_shared_mem,gpu__time_duration.sum,dram__bytes_read.sum,\
 dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
 sm__warps_active.avg.pct_of_peak_sustained_active
+fi
+if has ncuhot; then
+  # L2-resident medium operands (48 MB per call): the L2 is not flushed between kernels
+  run_ncu ncuhot --ncuhot launch__grid_size,launch__block_size,launch__shared_mem_per_block_dynamic,\
+gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,\
+lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,smsp__inst_executed.sum,\
+sm__warps_active.avg.pct_of_peak_sustained_active --cache-control none
 fi
 if has ncu16; then
   # bf16/fp32 add at 2^26: torch, ew_contig, x_hint variants; DRAM and L2 traffic, stalls
