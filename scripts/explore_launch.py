@@ -573,7 +573,6 @@ def _occ_medium(timer, title, hot, cases=MEDIUM_CASES, rounds=5, reps=5, shapes=
         dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
         for opname, op in OPS.items():
             kc = cur_kernel(dt, op)
-            k2, k1 = x_kernel(dt, op, 2, "long long"), x_kernel(dt, op, 1, "long long")
             peer = torch.add if op == 0 else torch.div
             for lg in lgs:
                 n = 1 << lg
@@ -587,8 +586,9 @@ def _occ_medium(timer, title, hot, cases=MEDIUM_CASES, rounds=5, reps=5, shapes=
                         0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(),
                                           0, 0, 0, 0, nvec, 0, 0), shared_mem=sm)
                 if shapes:
-                    for label, k, per_block, block in (("x2", k2, 512, 256), ("b128", k1, 128, 128)):
-                        fns[label] = lambda s, k=k, g=-(-nvec // per_block), block=block, \
+                    for label, vpt, block in (("x2", 2, 256), ("b128", 1, 128)):
+                        k = x_kernel(dt, op, vpt, "long long")  # cached per instance
+                        fns[label] = lambda s, k=k, g=-(-nvec // (vpt * block)), block=block, \
                             nvec=nvec: k.launch(0, g, block, 0, (s[2].data_ptr(), s[0].data_ptr(),
                                                                  s[1].data_ptr(), nvec))
                 med = gpu_rounds(timer, fns, sets, rounds=rounds, reps=reps)
