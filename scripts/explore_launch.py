@@ -25,7 +25,7 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
            torch's kernels, and with the occupancy API and the carveout preference;
   occ5     the cap at medium sizes (2^20..2^23: below the third session's STREAM_MIN_GRID);
   occ6     the same with one buffer set reused every call (operands L2-resident);
-  occ7     hot and cold medium operands, more rounds, beside two other shapes (x2, b128);
+  occ7     hot and cold medium operands, more rounds, beside other shapes (x2, b128, x4/128);
   order    torch and ew_contig each timed first and last in a round (order bias?);
   burst    host cost per launch with the GPU free-running vs held busy (host- or GPU-bound?);
   lean     host cost of a flatter torch lean path (prototype) beside the library's;
@@ -564,8 +564,8 @@ def _occ_medium(timer, title, hot, cases=MEDIUM_CASES, rounds=5, reps=5, shapes=
     rotated over 2x L2; one printed row per case."""
     print(f"\n== {title}: medium sizes (2^20..2^23), the library's ew_contig (add, div) uncapped "
           "(8 blocks per SM) and with the residency cap's 32,329 B (6 per SM)"
-          + (", x_vec with 2 vectors per thread in blocks of 256 (x2) and with 1 in blocks of "
-             "128 (b128)" if shapes else "")
+          + (", x_vec with 2 vectors per thread in blocks of 256 (x2), with 1 in blocks of "
+             "128 (b128) and with 4 in blocks of 128 (x4/128, torch's fp64 shape)" if shapes else "")
           + f", beside torch; GPU us, median of {rounds} interleaved rounds of {reps} batches, "
           "ratio torch/variant; grid = blocks of 256 ==", flush=True)
     smem = cap_smem(7)  # 233,472 // 7 - 1,024 = 32,329 B on the H200: 6 blocks per SM
@@ -586,7 +586,7 @@ def _occ_medium(timer, title, hot, cases=MEDIUM_CASES, rounds=5, reps=5, shapes=
                         0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(),
                                           0, 0, 0, 0, nvec, 0, 0), shared_mem=sm)
                 if shapes:
-                    for label, vpt, block in (("x2", 2, 256), ("b128", 1, 128)):
+                    for label, vpt, block in (("x2", 2, 256), ("b128", 1, 128), ("x4/128", 4, 128)):
                         k = x_kernel(dt, op, vpt, "long long")  # cached per instance
                         fns[label] = lambda s, k=k, g=-(-nvec // (vpt * block)), block=block, \
                             nvec=nvec: k.launch(0, g, block, 0, (s[2].data_ptr(), s[0].data_ptr(),
