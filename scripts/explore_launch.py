@@ -73,10 +73,11 @@ def cur_kernel(dt, op):
     return _launch.Kernel(prog([name]), name, ["Q", "Q", "Q", "Q", t, t, t, "q", "q", "q"])
 
 
-def ew_add(dt, nvec, block=256, smem=0):
-    """f(a, b, d) launching the library's ew_contig add instance (all arrays) for ``nvec``
-    aligned 16-byte vectors on the default stream, ``smem`` bytes of dynamic shared memory."""
-    kc = cur_kernel(dt, 0)
+def ew_add(dt, nvec, block=256, smem=0, op=0):
+    """f(a, b, d) launching the library's ew_contig instance (all arrays) of operator ``op``
+    (default add) for ``nvec`` aligned 16-byte vectors on the default stream, ``smem`` bytes of
+    dynamic shared memory."""
+    kc = cur_kernel(dt, op)
     grid = max(1, -(-nvec // block))
     return lambda a, b, d: kc.launch(0, grid, block, 0, (d.data_ptr(), a.data_ptr(), b.data_ptr(),
                                                          0, 0, 0, 0, nvec, 0, 0), shared_mem=smem)
@@ -114,14 +115,7 @@ def variants(dt, op, n):
     V = 16 // dt.itemsize
     nvec = n // V
     t = dt.fmt
-    out = {}
-    if op == 0:
-        out["ew_contig"] = ew_add(dt, nvec)
-    else:
-        kc = cur_kernel(dt, op)
-        out["ew_contig"] = lambda a, b, d: kc.launch(
-            0, max(1, -(-nvec // 256)), 256, 0,
-            (d.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0, 0, 0, nvec, 0, 0))
+    out = {"ew_contig": ew_add(dt, nvec, op=op)}
     kx = x_kernel(dt, op, 1, "long long")
     out["x_vec1"] = lambda a, b, d: kx.launch(
         0, max(1, -(-nvec // 256)), 256, 0, (d.data_ptr(), a.data_ptr(), b.data_ptr(), nvec))
@@ -498,33 +492,33 @@ def section_occ3(timer):
             del sets, fns
 
 
-def ncuocc_cases():
-    """bf16, fp32 and fp64 add at 2^26: ew_contig uncapped and capped at 7 blocks per SM."""
-    for dname in ("bfloat16", "float32", "float64"):
+def _ncu_add_launches(cases, order):
+    """For each (dtype name, log2 n) of ``cases``: fresh a, b, d, then the add launches of
+    ``order`` on them, each "torch" or a cap for ew_contig (0: uncapped), for Nsight Compute."""
+    for dname, lg in cases:
         dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
-        n = 1 << 26
+        n = 1 << lg
         nvec = n // (16 // dt.itemsize)
         a, b, d = (torch.randn(n, device="cuda").to(tdt) for _ in range(3))
-        torch.add(a, b, out=d)
-        for cap in (0, 7, 0, 7):
-            _capped(dt, nvec, cap)(a, b, d)
+        for step in order:
+            if step == "torch":
+                torch.add(a, b, out=d)
+            else:
+                _capped(dt, nvec, step)(a, b, d)
     torch.cuda.synchronize()
+
+
+def ncuocc_cases():
+    """bf16, fp32 and fp64 add at 2^26: ew_contig uncapped and capped at 7 blocks per SM."""
+    _ncu_add_launches([(d, 26) for d in ("bfloat16", "float32", "float64")],
+                      ("torch", 0, 7, 0, 7))
 
 
 def ncuhot_cases():
     """fp64 add at 2^21 and fp32 add at 2^22 (48 MB per call) on one L2-resident buffer set:
     torch, ew_contig uncapped and capped, three times each, interleaved (profile with
     ``ncu --cache-control none`` so that the L2 stays warm between kernels)."""
-    for dname, lg in (("float64", 21), ("float32", 22)):
-        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
-        n = 1 << lg
-        nvec = n // (16 // dt.itemsize)
-        a, b, d = (torch.randn(n, device="cuda").to(tdt) for _ in range(3))
-        for _ in range(3):
-            torch.add(a, b, out=d)
-            _capped(dt, nvec, 0)(a, b, d)
-            _capped(dt, nvec, 7)(a, b, d)
-    torch.cuda.synchronize()
+    _ncu_add_launches((("float64", 21), ("float32", 22)), ("torch", 0, 7) * 3)
 
 
 def section_occ4(timer):
@@ -559,9 +553,9 @@ MEDIUM_CASES = (("bfloat16", (20, 21, 22, 23)), ("float16", (22, 23)),
 
 
 def _occ_medium(timer, title, hot, cases=MEDIUM_CASES, rounds=5, reps=5, shapes=False):
-    """Medium sizes: torch beside ew_contig uncapped and capped (and, with ``shapes``, x_vec with
-    2 vectors per thread and with blocks of 128), one L2-resident buffer set (``hot``) or sets
-    rotated over 2x L2; one printed row per case."""
+    """Medium sizes: torch beside ew_contig uncapped and capped (and, with ``shapes``, the x_vec
+    shapes x2, b128 and x4/128), one L2-resident buffer set (``hot``) or sets rotated over 2x L2;
+    one printed row per case."""
     print(f"\n== {title}: medium sizes (2^20..2^23), the library's ew_contig (add, div) uncapped "
           "(8 blocks per SM) and with the residency cap's 32,329 B (6 per SM)"
           + (", x_vec with 2 vectors per thread in blocks of 256 (x2), with 1 in blocks of "
@@ -572,7 +566,6 @@ def _occ_medium(timer, title, hot, cases=MEDIUM_CASES, rounds=5, reps=5, shapes=
     for dname, lgs in cases:
         dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
         for opname, op in OPS.items():
-            kc = cur_kernel(dt, op)
             peer = torch.add if op == 0 else torch.div
             for lg in lgs:
                 n = 1 << lg
@@ -582,9 +575,7 @@ def _occ_medium(timer, title, hot, cases=MEDIUM_CASES, rounds=5, reps=5, shapes=
                         else buffer_sets(n, tdt))
                 fns = {"torch": lambda s, peer=peer: peer(s[0], s[1], out=s[2])}
                 for label, sm in (("8/SM", 0), ("6/SM", smem)):
-                    fns[label] = lambda s, sm=sm, grid=grid, nvec=nvec: kc.launch(
-                        0, grid, 256, 0, (s[2].data_ptr(), s[0].data_ptr(), s[1].data_ptr(),
-                                          0, 0, 0, 0, nvec, 0, 0), shared_mem=sm)
+                    fns[label] = on_set(ew_add(dt, nvec, smem=sm, op=op))
                 if shapes:
                     for label, vpt, block in (("x2", 2, 256), ("b128", 1, 128), ("x4/128", 4, 128)):
                         k = x_kernel(dt, op, vpt, "long long")  # cached per instance
