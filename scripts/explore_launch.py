@@ -26,6 +26,8 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
   occ5     the cap at medium sizes (2^20..2^23: below the third session's STREAM_MIN_GRID);
   occ6     the same with one buffer set reused every call (operands L2-resident);
   occ7     hot and cold medium operands, more rounds, beside other shapes (x2, b128, x4/128);
+  hot2     hot and cold medium add: one-wave grid-stride kernels whose chunks stay on, or move
+           between, blocks from call to call;
   order    torch and ew_contig each timed first and last in a round (order bias?);
   burst    host cost per launch with the GPU free-running vs held busy (host- or GPU-bound?);
   lean     host cost of a flatter torch lean path (prototype) beside the library's;
@@ -33,12 +35,15 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
   ncu16    (--ncu16) bf16/fp32 add at 2^26, torch, ew_contig and x_hint variants;
   ncuocc   (--ncuocc) bf16/fp32/fp64 add at 2^26, ew_contig uncapped and capped;
   ncuhot   (--ncuhot) fp64 add 2^21 and fp32 add 2^22 on L2-resident operands: torch,
-           ew_contig uncapped and capped (L2 hit rate, DRAM traffic).
+           ew_contig uncapped and capped (L2 hit rate, DRAM traffic);
+  ncuhot2  (--ncuhot2) the hot2 variants at fp64 2^21 and fp32 2^22, four calls in a row each.
 
 Usage: python scripts/explore_launch.py [SECTION ...] | --ncu | --ncu16 | --ncuocc | --ncuhot
+       | --ncuhot2
 """
 import ctypes
 import functools
+import itertools
 import math
 import statistics
 import sys
@@ -521,6 +526,23 @@ def ncuhot_cases():
     _ncu_add_launches((("float64", 21), ("float32", 22)), ("torch", 0, 7) * 3)
 
 
+def ncuhot2_cases():
+    """fp64 add at 2^21 and fp32 add at 2^22 on one buffer set: torch, then each hot2 variant,
+    four calls in a row each (the 2nd to 4th follow a call of the same kernel on the same
+    operands); profile with ``--cache-control none --replay-mode application``."""
+    for dname, lg in (("float64", 21), ("float32", 22)):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        n = 1 << lg
+        nvec = n // (16 // dt.itemsize)
+        a, b, d = (torch.randn(n, device="cuda").to(tdt) for _ in range(3))
+        fns = {"torch": lambda a, b, d: torch.add(a, b, out=d)}
+        fns.update(hot2_variants(dt, nvec))
+        for f in fns.values():
+            for _ in range(4):
+                f(a, b, d)
+    torch.cuda.synchronize()
+
+
 def section_occ4(timer):
     print("\n== occ4: ew_contig add, 256 threads, by dynamic shared memory per block, with the "
           "driver's default L1/shared carveout, then with the carveout preference at 100 % "
@@ -601,6 +623,55 @@ def section_occ7(timer):
     for hot in (True, False):
         _occ_medium(timer, f"occ7 ({'hot: one buffer set' if hot else 'cold: rotated sets'})",
                     hot, cases, rounds=9, reps=7, shapes=True)
+
+
+def gs_add(dt, nvec, per_sm, u, shift=lambda call, grid: 0):
+    """f(a, b, d) launching x_gs (add, grid-stride, ``u`` vectors in flight) as one wave of
+    ``per_sm`` blocks of 256 per SM (fewer if the kernel's occupancy is lower); call number
+    ``c`` passes ``shift(c, grid)``, which moves every chunk to block (b - shift) % grid."""
+    from cupy_backends.cuda.api import driver
+    k = named_kernel(f"clx::x_gs<{dt.ctype}, 0, {u}>", ("Q", "Q", "Q", "q", "i"))
+    occ = driver.occupancyMaxActiveBlocksPerMultiprocessor(k.function(0), 256, 0)
+    grid = SMS * min(per_sm, occ)
+    calls = itertools.count()
+    return lambda a, b, d: k.launch(0, grid, 256, 0, (d.data_ptr(), a.data_ptr(), b.data_ptr(),
+                                                      nvec, shift(next(calls), grid)))
+
+
+MOVES = {"same": lambda c, g: 0, "half": lambda c, g: (c & 1) * (g // 2),
+         "step": lambda c, g: c % g}
+HOT2_CASES = (("float64", 20), ("float64", 21), ("float32", 20), ("float32", 22),
+              ("bfloat16", 21), ("bfloat16", 23))
+
+
+def hot2_variants(dt, nvec):
+    """name -> f(a, b, d) for the hot2 section and the --ncuhot2 mode."""
+    fns = {"6/SM": ew_add(dt, nvec, smem=cap_smem(7)), "8/SM": ew_add(dt, nvec)}
+    for mv in MOVES:
+        fns[f"gs8u2 {mv}"] = gs_add(dt, nvec, 8, 2, MOVES[mv])
+    fns["gs4u4 same"] = gs_add(dt, nvec, 4, 4)
+    return fns
+
+
+def section_hot2(timer):
+    print("\n== hot2: add on medium operands, one buffer set (hot) and rotated sets (cold): torch, "
+          "ew_contig with 6 and 8 blocks per SM, and one-wave grid-stride kernels x_gs (gsPuU: P "
+          "blocks of 256 per SM, U vectors in flight) whose chunks stay on the same block every "
+          "call (same), alternate between two halves of the grid (half) or move one block per "
+          "call (step); GPU us, median "
+          "of 9 interleaved rounds of 7 batches, ratio torch/variant ==", flush=True)
+    for hot in (True, False):
+        for dname, lg in HOT2_CASES:
+            dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+            n = 1 << lg
+            nvec = n // (16 // dt.itemsize)
+            sets = ([[torch.randn(n, device="cuda").to(tdt) for _ in range(3)]] if hot
+                    else buffer_sets(n, tdt))
+            fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2])}
+            fns.update({k: on_set(f) for k, f in hot2_variants(dt, nvec).items()})
+            med = gpu_rounds(timer, fns, sets, rounds=9, reps=7)
+            print(ratio_row(f"{'hot ' if hot else 'cold'} {dname:8s} 2^{lg}", med), flush=True)
+            del sets, fns
 
 
 def section_order(timer):
@@ -731,13 +802,13 @@ def ncu16_cases():
 
 
 NCU_MODES = {"--ncu": ncu_cases, "--ncuocc": ncuocc_cases, "--ncu16": ncu16_cases,
-             "--ncuhot": ncuhot_cases}
+             "--ncuhot": ncuhot_cases, "--ncuhot2": ncuhot2_cases}
 SECTIONS = {  # name -> runner, in the order they run
     "host": lambda t: section_host(), "graph": section_graph, "rows": section_rows,
     "memcpy": section_memcpy, "sizes": section_sizes, "hints": section_hints,
     "hints2": section_hints2, "occ": section_occ, "occ2": section_occ2, "occ3": section_occ3,
     "occ4": section_occ4, "occ5": section_occ5, "occ6": section_occ6, "occ7": section_occ7,
-    "order": section_order, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
+    "hot2": section_hot2, "order": section_order, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
 }
 
 if __name__ == "__main__":

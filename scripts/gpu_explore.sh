@@ -7,6 +7,8 @@
 #   ncu16    the same for bf16/fp32 add at 2^26 with the cache-policy variants (traffic, stalls);
 #   ncuocc   ew_contig add at 2^26 uncapped and capped (occupancy, DRAM throughput);
 #   ncuhot   fp64/fp32 add on L2-resident 48 MB operands: torch, uncapped, capped (L2 hit rate);
+#   ncuhot2  the hot2 variants back to back on one buffer set, application replay, L2 not
+#            flushed (DRAM bytes read per call in steady state);
 #   sweep    scripts/bench_sweep.sh with the installed console script (needs cli);
 #   host     scripts/host_profile.py (where the host time of a small call goes);
 #   medium   the installed console script at every power 2^20..2^23, float dtypes, beside torch,
@@ -68,6 +70,13 @@ if has ncuhot; then
 gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,\
 lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,smsp__inst_executed.sum,\
 sm__warps_active.avg.pct_of_peak_sustained_active --cache-control none
+fi
+if has ncuhot2; then
+  # one pass per application run, no memory save/restore: each kernel sees the L2 that the
+  # previous kernel left
+  run_ncu ncuhot2 --ncuhot2 launch__grid_size,launch__block_size,launch__registers_per_thread,\
+launch__waves_per_multiprocessor,gpu__time_duration.sum,dram__bytes_read.sum,\
+dram__bytes_write.sum,lts__t_sector_hit_rate.pct --cache-control none --replay-mode application
 fi
 if has ncu16; then
   # bf16/fp32 add at 2^26: torch, ew_contig, x_hint variants; DRAM and L2 traffic, stalls
