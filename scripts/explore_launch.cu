@@ -180,4 +180,43 @@ x_gs(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, long
     }
 }
 
+// x_gs without its 64-bit modulo (x_gs spends ~0.4 us on `% gridDim.x` before its first load):
+// the chunk is blockIdx.x + shift wrapped once (0 <= shift < gridDim.x).
+template <typename T, int OP, int U>
+__global__ void __launch_bounds__(256)
+x_gsl(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, long long nvec,
+      unsigned shift) {
+    constexpr int V = 16 / sizeof(T);
+    typedef Vec<T, V> VT;
+    unsigned chunk = blockIdx.x + shift;
+    if (chunk >= gridDim.x) chunk -= gridDim.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long j = (long long)chunk * blockDim.x + threadIdx.x;
+    for (; j + (U - 1) * stride < nvec; j += U * stride) {
+        VT ra[U], rb[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            ra[u] = reinterpret_cast<const VT*>(a)[j + u * stride];
+            rb[u] = reinterpret_cast<const VT*>(b)[j + u * stride];
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            VT r;
+#pragma unroll
+            for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra[u].v[k], rb[u].v[k], ra[u].v[k]);
+            reinterpret_cast<VT*>(out)[j + u * stride] = r;
+        }
+    }
+    if (U > 1) {
+        for (; j < nvec; j += stride) {
+            const VT ra = reinterpret_cast<const VT*>(a)[j];
+            const VT rb = reinterpret_cast<const VT*>(b)[j];
+            VT r;
+#pragma unroll
+            for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra.v[k], rb.v[k], ra.v[k]);
+            reinterpret_cast<VT*>(out)[j] = r;
+        }
+    }
+}
+
 }  // namespace clx

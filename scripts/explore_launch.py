@@ -28,6 +28,8 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
   occ7     hot and cold medium operands, more rounds, beside other shapes (x2, b128, x4/128);
   hot2     hot and cold medium add: one-wave grid-stride kernels whose chunks stay on, or move
            between, blocks from call to call;
+  hot3     hot and cold add 2^20..2^24: a lean one-wave grid-stride kernel (x_gsl) by blocks
+           per SM and vectors in flight, beside the shipped shape;
   order    torch and ew_contig each timed first and last in a round (order bias?);
   burst    host cost per launch with the GPU free-running vs held busy (host- or GPU-bound?);
   lean     host cost of a flatter torch lean path (prototype) beside the library's;
@@ -674,6 +676,53 @@ def section_hot2(timer):
             del sets, fns
 
 
+def gsl_add(dt, nvec, per_sm, u, half=False):
+    """f(a, b, d) launching x_gsl (add; x_gs without the 64-bit modulo) as one wave of
+    ``per_sm`` blocks of 256 per SM, or fewer blocks when the operands need fewer; ``half``
+    moves every chunk by half the grid on every other call."""
+    from cupy_backends.cuda.api import driver
+    k = named_kernel(f"clx::x_gsl<{dt.ctype}, 0, {u}>", ("Q", "Q", "Q", "q", "I"))
+    occ = driver.occupancyMaxActiveBlocksPerMultiprocessor(k.function(0), 256, 0)
+    grid = max(1, min(SMS * min(per_sm, occ), -(-nvec // (256 * u))))
+    calls = itertools.count()
+    return lambda a, b, d: k.launch(0, grid, 256, 0, (
+        d.data_ptr(), a.data_ptr(), b.data_ptr(), nvec,
+        (next(calls) & 1) * (grid // 2) if half else 0))
+
+
+HOT3_CASES = (("float64", (20, 21, 22)), ("float32", (20, 21, 22, 23, 24)),
+              ("bfloat16", (21, 22, 23, 24)))
+
+
+def section_hot3(timer):
+    print("\n== hot3: add, hot (one buffer set) and cold (rotated sets): torch, ew_contig with 6 "
+          "(shipped) and 8 blocks per SM, x_gs (gs8u2) and the lean one-wave grid-stride x_gsl "
+          "(glPuU: at most P blocks of 256 per SM, U vectors in flight; 'h' = chunks move by half "
+          "the grid every other call); GPU us, median of 9 interleaved rounds of 7 batches, "
+          "ratio torch/variant ==", flush=True)
+    for hot in (True, False):
+        for dname, lgs in HOT3_CASES:
+            dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+            for lg in lgs:
+                n = 1 << lg
+                if hot and n * dt.itemsize * 3 > L2:
+                    continue
+                nvec = n // (16 // dt.itemsize)
+                sets = ([[torch.randn(n, device="cuda").to(tdt) for _ in range(3)]] if hot
+                        else buffer_sets(n, tdt))
+                fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2]),
+                       "6/SM": on_set(ew_add(dt, nvec, smem=cap_smem(7))),
+                       "8/SM": on_set(ew_add(dt, nvec)),
+                       "gs8u2": on_set(gs_add(dt, nvec, 8, 2))}
+                for per_sm, u, half in ((8, 1, False), (8, 2, False), (6, 2, False),
+                                        (8, 2, True), (8, 4, False)):
+                    fns[f"gl{per_sm}u{u}{'h' if half else ''}"] = on_set(
+                        gsl_add(dt, nvec, per_sm, u, half))
+                med = gpu_rounds(timer, fns, sets, rounds=9, reps=7)
+                print(ratio_row(f"{'hot ' if hot else 'cold'} {dname:8s} 2^{lg}", med), flush=True)
+                del sets, fns
+
+
 def section_order(timer):
     print("\n== order: is the 16-bit gap an artefact of timing order? torch and ew_contig (add) "
           "each timed twice per round, first and last; GPU us, median of 5 interleaved rounds, "
@@ -808,7 +857,7 @@ SECTIONS = {  # name -> runner, in the order they run
     "memcpy": section_memcpy, "sizes": section_sizes, "hints": section_hints,
     "hints2": section_hints2, "occ": section_occ, "occ2": section_occ2, "occ3": section_occ3,
     "occ4": section_occ4, "occ5": section_occ5, "occ6": section_occ6, "occ7": section_occ7,
-    "hot2": section_hot2, "order": section_order, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
+    "hot2": section_hot2, "hot3": section_hot3, "order": section_order, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
 }
 
 if __name__ == "__main__":
