@@ -38,10 +38,12 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
   ncuocc   (--ncuocc) bf16/fp32/fp64 add at 2^26, ew_contig uncapped and capped;
   ncuhot   (--ncuhot) fp64 add 2^21 and fp32 add 2^22 on L2-resident operands: torch,
            ew_contig uncapped and capped (L2 hit rate, DRAM traffic);
-  ncuhot2  (--ncuhot2) the hot2 variants at fp64 2^21 and fp32 2^22, four calls in a row each.
+  ncuhot2  (--ncuhot2) the hot2 variants at fp64 2^21 and fp32 2^22, four calls in a row each;
+  ncurange (--ncurange) 50 back-to-back add calls per profiler range, hot and cold, at 48 MB per
+           call: torch, ew_contig 6 and 8 per SM, x_gsl one wave (DRAM bytes per range).
 
 Usage: python scripts/explore_launch.py [SECTION ...] | --ncu | --ncu16 | --ncuocc | --ncuhot
-       | --ncuhot2
+       | --ncuhot2 | --ncurange
 """
 import ctypes
 import functools
@@ -545,6 +547,39 @@ def ncuhot2_cases():
     torch.cuda.synchronize()
 
 
+def ncurange_cases():
+    """Back-to-back add calls inside profiler ranges (cudaProfilerStart/Stop), one range per
+    variant: fp64 2^21, fp32 2^22 and bf16 2^23 (48 MB per call), hot (one buffer set) and cold
+    (sets rotated over 2x L2). Profile with ``--replay-mode app-range --cache-control none``:
+    metrics per range, kernels not serialised, so DRAM bytes per call are those of calls
+    running back to back. Range labels go to stderr, in order."""
+    calls = 50
+    for dname, lg in (("float64", 21), ("float32", 22), ("bfloat16", 23)):
+        dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
+        n = 1 << lg
+        nvec = n // (16 // dt.itemsize)
+        for hot in (True, False):
+            sets = [[torch.randn(n, device="cuda").to(tdt) for _ in range(3)]] if hot \
+                else buffer_sets(n, tdt)
+            fns = {"torch": lambda a, b, d: torch.add(a, b, out=d),
+                   "6/SM": ew_add(dt, nvec, smem=cap_smem(7)), "8/SM": ew_add(dt, nvec),
+                   "gl8u2": gsl_add(dt, nvec, 8, 2), "gl8u2h": gsl_add(dt, nvec, 8, 2, True)}
+            if not hot:
+                del fns["8/SM"], fns["gl8u2h"]
+            for name, f in fns.items():
+                for i in range(2 * len(sets)):
+                    f(*sets[i % len(sets)][:3])
+                torch.cuda.synchronize()
+                print(f"range: {'hot ' if hot else 'cold'} {dname} 2^{lg} {name} x{calls}",
+                      file=sys.stderr, flush=True)
+                torch.cuda.profiler.start()
+                for i in range(calls):
+                    f(*sets[i % len(sets)][:3])
+                torch.cuda.profiler.stop()
+                torch.cuda.synchronize()
+            del sets
+
+
 def section_occ4(timer):
     print("\n== occ4: ew_contig add, 256 threads, by dynamic shared memory per block, with the "
           "driver's default L1/shared carveout, then with the carveout preference at 100 % "
@@ -851,7 +886,8 @@ def ncu16_cases():
 
 
 NCU_MODES = {"--ncu": ncu_cases, "--ncuocc": ncuocc_cases, "--ncu16": ncu16_cases,
-             "--ncuhot": ncuhot_cases, "--ncuhot2": ncuhot2_cases}
+             "--ncuhot": ncuhot_cases, "--ncuhot2": ncuhot2_cases,
+             "--ncurange": ncurange_cases}
 SECTIONS = {  # name -> runner, in the order they run
     "host": lambda t: section_host(), "graph": section_graph, "rows": section_rows,
     "memcpy": section_memcpy, "sizes": section_sizes, "hints": section_hints,

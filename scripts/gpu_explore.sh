@@ -9,6 +9,8 @@
 #   ncuhot   fp64/fp32 add on L2-resident 48 MB operands: torch, uncapped, capped (L2 hit rate);
 #   ncuhot2  the hot2 variants back to back on one buffer set, application replay, L2 not
 #            flushed (DRAM bytes read per call in steady state);
+#   ncurange back-to-back calls per profiler range (app-range replay, L2 not flushed): DRAM
+#            bytes and time per range of 50 calls, hot and cold, at 48 MB per call;
 #   sweep    scripts/bench_sweep.sh with the installed console script (needs cli);
 #   host     scripts/host_profile.py (where the host time of a small call goes);
 #   medium   the installed console script at every power 2^20..2^23, float dtypes, beside torch,
@@ -77,6 +79,32 @@ if has ncuhot2; then
   run_ncu ncuhot2 --ncuhot2 launch__grid_size,launch__block_size,launch__registers_per_thread,\
 launch__waves_per_multiprocessor,gpu__time_duration.sum,dram__bytes_read.sum,\
 dram__bytes_write.sum,lts__t_sector_hit_rate.pct --cache-control none --replay-mode application
+fi
+if has ncurange; then
+  for mode in app-range range; do
+    PYTHONPATH=$ROOT ncu --clock-control none --cache-control none --replay-mode $mode --csv --print-units base \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+      python3 scripts/explore_launch.py --ncurange > "$OUT/r/ncurange.csv" 2> "$OUT/r/ncurange.err"
+    rc=$?; echo "ncurange ($mode) rc=$rc"; [ $rc = 0 ] && break
+  done
+  python3 - "$OUT/r/ncurange.csv" "$OUT/r/ncurange.err" <<'PY' > "$OUT/ncurange.txt"
+import csv, sys
+labels = [l.split("range: ", 1)[1].strip() for l in open(sys.argv[2]) if l.startswith("range: ")]
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
+hdr = rows[0]
+iID, iM, iV = (hdr.index(k) for k in ("ID", "Metric Name", "Metric Value"))
+by = {}
+for r in rows[1:]:
+    by.setdefault(int(r[iID]), {})[r[iM]] = r[iV].replace(",", "")
+print("range  label  |  us per call  |  DRAM read MB per call  |  DRAM write MB per call")
+for k, (i, m) in enumerate(sorted(by.items())):
+    lab = labels[k] if k < len(labels) else "?"
+    t = float(m.get("gpu__time_duration.sum", "nan")) / 50 / 1e3
+    rd = float(m.get("dram__bytes_read.sum", "nan")) / 50 / 1e6
+    wr = float(m.get("dram__bytes_write.sum", "nan")) / 50 / 1e6
+    print(f"{i:3d} {lab:34s} {t:8.2f} {rd:8.2f} {wr:8.2f}")
+PY
+  cat "$OUT/ncurange.txt"; head -c 1500 "$OUT/r/ncurange.csv"; grep -v "^range: " "$OUT/r/ncurange.err" | tail -5
 fi
 if has ncu16; then
   # bf16/fp32 add at 2^26: torch, ew_contig, x_hint variants; DRAM and L2 traffic, stalls
