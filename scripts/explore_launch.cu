@@ -145,15 +145,24 @@ x_hint(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, lo
 // Hot-L2 experiment (why torch's fp64 add at 2^21 beats every one-pass shape when the 48 MB of
 // operands stay in the 60 MB L2). x_gs: a grid-stride loop over 16-byte vectors, U vectors in
 // flight per step, launched as one wave (grid = SMs x blocks per SM). Block b works on chunk
-// (b + shift) % gridDim.x, so the host can keep every chunk on the same block from call to
-// call (shift 0) or move it (shift changing per call) without changing the traffic.
-template <typename T, int OP, int U>
+// (b + shift) mod gridDim.x, so the host can keep every chunk on the same block from call to
+// call (shift 0) or move it (shift changing per call, 0 <= shift < gridDim.x) without changing
+// the traffic. LEAN wraps once instead of a 64-bit `%` (which costs ~0.4 us before the first
+// load: the hot2 section's x_gs, named x_gs<T, OP, U> in explore_hot2.log, is LEAN = false;
+// hot3's x_gsl is LEAN = true).
+template <typename T, int OP, int U, bool LEAN>
 __global__ void __launch_bounds__(256)
 x_gs(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, long long nvec,
-     int shift) {
+     unsigned shift) {
     constexpr int V = 16 / sizeof(T);
     typedef Vec<T, V> VT;
-    const long long chunk = ((long long)blockIdx.x + shift) % gridDim.x;
+    long long chunk;
+    if (LEAN) {
+        unsigned c = blockIdx.x + shift;
+        chunk = c >= gridDim.x ? c - gridDim.x : c;
+    } else {
+        chunk = ((long long)blockIdx.x + shift) % gridDim.x;
+    }
     const long long stride = (long long)gridDim.x * blockDim.x;
     long long j = chunk * blockDim.x + threadIdx.x;
     for (; j + (U - 1) * stride < nvec; j += U * stride) {
@@ -171,43 +180,7 @@ x_gs(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, long
             reinterpret_cast<VT*>(out)[j + u * stride] = r;
         }
     }
-    for (; j < nvec; j += stride) {
-        const VT ra = reinterpret_cast<const VT*>(a)[j], rb = reinterpret_cast<const VT*>(b)[j];
-        VT r;
-#pragma unroll
-        for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra.v[k], rb.v[k], ra.v[k]);
-        reinterpret_cast<VT*>(out)[j] = r;
-    }
-}
-
-// x_gs without its 64-bit modulo (x_gs spends ~0.4 us on `% gridDim.x` before its first load):
-// the chunk is blockIdx.x + shift wrapped once (0 <= shift < gridDim.x).
-template <typename T, int OP, int U>
-__global__ void __launch_bounds__(256)
-x_gsl(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, long long nvec,
-      unsigned shift) {
-    constexpr int V = 16 / sizeof(T);
-    typedef Vec<T, V> VT;
-    unsigned chunk = blockIdx.x + shift;
-    if (chunk >= gridDim.x) chunk -= gridDim.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    long long j = (long long)chunk * blockDim.x + threadIdx.x;
-    for (; j + (U - 1) * stride < nvec; j += U * stride) {
-        VT ra[U], rb[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            ra[u] = reinterpret_cast<const VT*>(a)[j + u * stride];
-            rb[u] = reinterpret_cast<const VT*>(b)[j + u * stride];
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            VT r;
-#pragma unroll
-            for (int k = 0; k < V; ++k) r.v[k] = apply<T, OP>(ra[u].v[k], rb[u].v[k], ra[u].v[k]);
-            reinterpret_cast<VT*>(out)[j + u * stride] = r;
-        }
-    }
-    if (U > 1) {
+    if (U > 1 || !LEAN) {  // the last partial step (none when U == 1)
         for (; j < nvec; j += stride) {
             const VT ra = reinterpret_cast<const VT*>(a)[j];
             const VT rb = reinterpret_cast<const VT*>(b)[j];

@@ -28,7 +28,7 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
   occ7     hot and cold medium operands, more rounds, beside other shapes (x2, b128, x4/128);
   hot2     hot and cold medium add: one-wave grid-stride kernels whose chunks stay on, or move
            between, blocks from call to call;
-  hot3     hot and cold add 2^20..2^24: a lean one-wave grid-stride kernel (x_gsl) by blocks
+  hot3     hot and cold add 2^20..2^24: a lean one-wave grid-stride kernel (x_gs LEAN) by blocks
            per SM and vectors in flight, beside the shipped shape;
   order    torch and ew_contig each timed first and last in a round (order bias?);
   burst    host cost per launch with the GPU free-running vs held busy (host- or GPU-bound?);
@@ -40,7 +40,7 @@ median of repetitions, inputs rotated through buffer sets spanning 2x L2 — the
            ew_contig uncapped and capped (L2 hit rate, DRAM traffic);
   ncuhot2  (--ncuhot2) the hot2 variants at fp64 2^21 and fp32 2^22, four calls in a row each;
   ncurange (--ncurange) 50 back-to-back add calls per profiler range, hot and cold, at 48 MB per
-           call: torch, ew_contig 6 and 8 per SM, x_gsl one wave (DRAM bytes per range).
+           call: torch, ew_contig 6 and 8 per SM, x_gs LEAN one wave (DRAM bytes per range).
 
 Usage: python scripts/explore_launch.py [SECTION ...] | --ncu | --ncu16 | --ncuocc | --ncuhot
        | --ncuhot2 | --ncurange
@@ -563,7 +563,8 @@ def ncurange_cases():
                 else buffer_sets(n, tdt)
             fns = {"torch": lambda a, b, d: torch.add(a, b, out=d),
                    "6/SM": ew_add(dt, nvec, smem=cap_smem(7)), "8/SM": ew_add(dt, nvec),
-                   "gl8u2": gsl_add(dt, nvec, 8, 2), "gl8u2h": gsl_add(dt, nvec, 8, 2, True)}
+                   "gl8u2": gs_add(dt, nvec, 8, 2, lean=True),
+                   "gl8u2h": gs_add(dt, nvec, 8, 2, MOVES["half"], lean=True)}
             if not hot:
                 del fns["8/SM"], fns["gl8u2h"]
             for name, f in fns.items():
@@ -662,14 +663,19 @@ def section_occ7(timer):
                     hot, cases, rounds=9, reps=7, shapes=True)
 
 
-def gs_add(dt, nvec, per_sm, u, shift=lambda call, grid: 0):
+def gs_add(dt, nvec, per_sm, u, shift=None, lean=False):
     """f(a, b, d) launching x_gs (add, grid-stride, ``u`` vectors in flight) as one wave of
-    ``per_sm`` blocks of 256 per SM (fewer if the kernel's occupancy is lower); call number
-    ``c`` passes ``shift(c, grid)``, which moves every chunk to block (b - shift) % grid."""
+    ``per_sm`` blocks of 256 per SM (fewer if the kernel's occupancy is lower; ``lean``: also
+    no more blocks than the operands need, and no 64-bit modulo); call number ``c`` passes
+    ``shift(c, grid)`` (default 0), which moves every chunk to block (b - shift) mod grid."""
     from cupy_backends.cuda.api import driver
-    k = named_kernel(f"clx::x_gs<{dt.ctype}, 0, {u}>", ("Q", "Q", "Q", "q", "i"))
+    k = named_kernel(f"clx::x_gs<{dt.ctype}, 0, {u}, {'true' if lean else 'false'}>",
+                     ("Q", "Q", "Q", "q", "I"))
     occ = driver.occupancyMaxActiveBlocksPerMultiprocessor(k.function(0), 256, 0)
     grid = SMS * min(per_sm, occ)
+    if lean:
+        grid = max(1, min(grid, -(-nvec // (256 * u))))
+    shift = shift or MOVES["same"]
     calls = itertools.count()
     return lambda a, b, d: k.launch(0, grid, 256, 0, (d.data_ptr(), a.data_ptr(), b.data_ptr(),
                                                       nvec, shift(next(calls), grid)))
@@ -690,53 +696,12 @@ def hot2_variants(dt, nvec):
     return fns
 
 
-def section_hot2(timer):
-    print("\n== hot2: add on medium operands, one buffer set (hot) and rotated sets (cold): torch, "
-          "ew_contig with 6 and 8 blocks per SM, and one-wave grid-stride kernels x_gs (gsPuU: P "
-          "blocks of 256 per SM, U vectors in flight) whose chunks stay on the same block every "
-          "call (same), alternate between two halves of the grid (half) or move one block per "
-          "call (step); GPU us, median "
-          "of 9 interleaved rounds of 7 batches, ratio torch/variant ==", flush=True)
+def _hot_cold_add(timer, cases, variants):
+    """For each (dtype name, log2 sizes) of ``cases``, hot (one buffer set, skipped when it does
+    not fit in L2) then cold (sets rotated over 2x L2): torch.add beside ``variants(dt, nvec)``
+    (name -> f(a, b, d)); one printed row per case, 9 interleaved rounds of 7 batches."""
     for hot in (True, False):
-        for dname, lg in HOT2_CASES:
-            dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
-            n = 1 << lg
-            nvec = n // (16 // dt.itemsize)
-            sets = ([[torch.randn(n, device="cuda").to(tdt) for _ in range(3)]] if hot
-                    else buffer_sets(n, tdt))
-            fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2])}
-            fns.update({k: on_set(f) for k, f in hot2_variants(dt, nvec).items()})
-            med = gpu_rounds(timer, fns, sets, rounds=9, reps=7)
-            print(ratio_row(f"{'hot ' if hot else 'cold'} {dname:8s} 2^{lg}", med), flush=True)
-            del sets, fns
-
-
-def gsl_add(dt, nvec, per_sm, u, half=False):
-    """f(a, b, d) launching x_gsl (add; x_gs without the 64-bit modulo) as one wave of
-    ``per_sm`` blocks of 256 per SM, or fewer blocks when the operands need fewer; ``half``
-    moves every chunk by half the grid on every other call."""
-    from cupy_backends.cuda.api import driver
-    k = named_kernel(f"clx::x_gsl<{dt.ctype}, 0, {u}>", ("Q", "Q", "Q", "q", "I"))
-    occ = driver.occupancyMaxActiveBlocksPerMultiprocessor(k.function(0), 256, 0)
-    grid = max(1, min(SMS * min(per_sm, occ), -(-nvec // (256 * u))))
-    calls = itertools.count()
-    return lambda a, b, d: k.launch(0, grid, 256, 0, (
-        d.data_ptr(), a.data_ptr(), b.data_ptr(), nvec,
-        (next(calls) & 1) * (grid // 2) if half else 0))
-
-
-HOT3_CASES = (("float64", (20, 21, 22)), ("float32", (20, 21, 22, 23, 24)),
-              ("bfloat16", (21, 22, 23, 24)))
-
-
-def section_hot3(timer):
-    print("\n== hot3: add, hot (one buffer set) and cold (rotated sets): torch, ew_contig with 6 "
-          "(shipped) and 8 blocks per SM, x_gs (gs8u2) and the lean one-wave grid-stride x_gsl "
-          "(glPuU: at most P blocks of 256 per SM, U vectors in flight; 'h' = chunks move by half "
-          "the grid every other call); GPU us, median of 9 interleaved rounds of 7 batches, "
-          "ratio torch/variant ==", flush=True)
-    for hot in (True, False):
-        for dname, lgs in HOT3_CASES:
+        for dname, lgs in cases:
             dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
             for lg in lgs:
                 n = 1 << lg
@@ -745,17 +710,45 @@ def section_hot3(timer):
                 nvec = n // (16 // dt.itemsize)
                 sets = ([[torch.randn(n, device="cuda").to(tdt) for _ in range(3)]] if hot
                         else buffer_sets(n, tdt))
-                fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2]),
-                       "6/SM": on_set(ew_add(dt, nvec, smem=cap_smem(7))),
-                       "8/SM": on_set(ew_add(dt, nvec)),
-                       "gs8u2": on_set(gs_add(dt, nvec, 8, 2))}
-                for per_sm, u, half in ((8, 1, False), (8, 2, False), (6, 2, False),
-                                        (8, 2, True), (8, 4, False)):
-                    fns[f"gl{per_sm}u{u}{'h' if half else ''}"] = on_set(
-                        gsl_add(dt, nvec, per_sm, u, half))
+                fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2])}
+                fns.update({k: on_set(f) for k, f in variants(dt, nvec).items()})
                 med = gpu_rounds(timer, fns, sets, rounds=9, reps=7)
                 print(ratio_row(f"{'hot ' if hot else 'cold'} {dname:8s} 2^{lg}", med), flush=True)
                 del sets, fns
+
+
+def section_hot2(timer):
+    print("\n== hot2: add on medium operands, one buffer set (hot) and rotated sets (cold): torch, "
+          "ew_contig with 6 and 8 blocks per SM, and one-wave grid-stride kernels x_gs (gsPuU: P "
+          "blocks of 256 per SM, U vectors in flight) whose chunks stay on the same block every "
+          "call (same), alternate between two halves of the grid (half) or move one block per "
+          "call (step); GPU us, median "
+          "of 9 interleaved rounds of 7 batches, ratio torch/variant ==", flush=True)
+    _hot_cold_add(timer, [(d, (lg,)) for d, lg in HOT2_CASES], hot2_variants)
+
+
+HOT3_CASES = (("float64", (20, 21, 22)), ("float32", (20, 21, 22, 23, 24)),
+              ("bfloat16", (21, 22, 23, 24)))
+
+
+def hot3_variants(dt, nvec):
+    """name -> f(a, b, d) for the hot3 section."""
+    fns = {"6/SM": ew_add(dt, nvec, smem=cap_smem(7)), "8/SM": ew_add(dt, nvec),
+           "gs8u2": gs_add(dt, nvec, 8, 2)}
+    for per_sm, u, half in ((8, 1, False), (8, 2, False), (6, 2, False), (8, 2, True),
+                            (8, 4, False)):
+        fns[f"gl{per_sm}u{u}{'h' if half else ''}"] = gs_add(
+            dt, nvec, per_sm, u, MOVES["half"] if half else None, lean=True)
+    return fns
+
+
+def section_hot3(timer):
+    print("\n== hot3: add, hot (one buffer set) and cold (rotated sets): torch, ew_contig with 6 "
+          "(shipped) and 8 blocks per SM, x_gs (gs8u2) and the lean one-wave grid-stride x_gs LEAN "
+          "(glPuU: at most P blocks of 256 per SM, U vectors in flight; 'h' = chunks move by half "
+          "the grid every other call); GPU us, median of 9 interleaved rounds of 7 batches, "
+          "ratio torch/variant ==", flush=True)
+    _hot_cold_add(timer, HOT3_CASES, hot3_variants)
 
 
 def section_order(timer):
