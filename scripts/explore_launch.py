@@ -551,8 +551,9 @@ def ncurange_cases():
     """Back-to-back add calls inside profiler ranges (cudaProfilerStart/Stop), one range per
     variant: fp64 2^21, fp32 2^22 and bf16 2^23 (48 MB per call), hot (one buffer set) and cold
     (sets rotated over 2x L2). Profile with ``--replay-mode app-range --cache-control none``:
-    metrics per range, kernels not serialised, so DRAM bytes per call are those of calls
-    running back to back. Range labels go to stderr, in order."""
+    metrics per range, with nothing saved, restored or flushed between the calls of a range, so
+    each call meets the L2 the call before it left (the range's duration includes the
+    profiler's work around each call). Range labels go to stderr, in order."""
     calls = 50
     for dname, lg in (("float64", 21), ("float32", 22), ("bfloat16", 23)):
         dt, tdt = _dtypes.DTYPES[dname], TDT[dname]
@@ -886,7 +887,8 @@ SECTIONS = {  # name -> runner, in the order they run
     "memcpy": section_memcpy, "sizes": section_sizes, "hints": section_hints,
     "hints2": section_hints2, "occ": section_occ, "occ2": section_occ2, "occ3": section_occ3,
     "occ4": section_occ4, "occ5": section_occ5, "occ6": section_occ6, "occ7": section_occ7,
-    "hot2": section_hot2, "hot3": section_hot3, "order": section_order, "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
+    "hot2": section_hot2, "hot3": section_hot3, "order": section_order,
+    "burst": lambda t: section_burst(), "lean": lambda t: section_lean(),
 }
 
 if __name__ == "__main__":

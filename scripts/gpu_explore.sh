@@ -9,8 +9,8 @@
 #   ncuhot   fp64/fp32 add on L2-resident 48 MB operands: torch, uncapped, capped (L2 hit rate);
 #   ncuhot2  the hot2 variants back to back on one buffer set, application replay, L2 not
 #            flushed (DRAM bytes read per call in steady state);
-#   ncurange back-to-back calls per profiler range (app-range replay, L2 not flushed): DRAM
-#            bytes and time per range of 50 calls, hot and cold, at 48 MB per call;
+#   ncurange 50 calls per profiler range (app-range replay, L2 not flushed): DRAM bytes per
+#            call, hot and cold, at 48 MB per call (the time includes the profiler's work);
 #   sweep    scripts/bench_sweep.sh with the installed console script (needs cli);
 #   host     scripts/host_profile.py (where the host time of a small call goes);
 #   medium   the installed console script at every power 2^20..2^23, float dtypes, beside torch,
@@ -96,7 +96,8 @@ iID, iM, iV = (hdr.index(k) for k in ("ID", "Metric Name", "Metric Value"))
 by = {}
 for r in rows[1:]:
     by.setdefault(int(r[iID]), {})[r[iM]] = r[iV].replace(",", "")
-print("range  label  |  us per call  |  DRAM read MB per call  |  DRAM write MB per call")
+print("range  label  |  us per call (with the profiler's work)  |  DRAM read MB per call  |  "
+      "DRAM write MB per call")
 for k, (i, m) in enumerate(sorted(by.items())):
     lab = labels[k] if k < len(labels) else "?"
     t = float(m.get("gpu__time_duration.sum", "nan")) / 50 / 1e3
