@@ -22,17 +22,16 @@ SMS = cp.cuda.Device().attributes["MultiProcessorCount"]
 def main():
     bad = 0
     cases = 0
-    for dname, npdt in (("float64", np.float64), ("float32", np.float32),
-                        ("float16", np.float16)):
+    for dname in ("float64", "float32", "float16"):
         dt = _dtypes.DTYPES[dname]
+        npdt = np.dtype(dt.typestr)
         V = 16 // dt.itemsize
-        names = [f"clx::x_gs<{dt.ctype}, 0, {u}, {lean}>" for u in (1, 2, 4)
-                 for lean in ("true", "false")]
+        shapes = [(u, lean) for u in (1, 2, 4) for lean in ("true", "false")]
+        names = [f"clx::x_gs<{dt.ctype}, 0, {u}, {lean}>" for u, lean in shapes]
         prog = _compile.Program.from_file(HERE / "explore_launch.cu", names,
                                           include_dirs=[_compile.cuda_src_dir()])
-        for name in names:
+        for name, (u, _) in zip(names, shapes):
             k = _launch.Kernel(prog, name, ["Q", "Q", "Q", "q", "I"])
-            u = int(name.split(", ")[2])
             for nvec in (1, 255, 257, SMS * 8 * 256 * u + 17, 1 << 18):
                 n = nvec * V
                 rng = np.random.default_rng(nvec)

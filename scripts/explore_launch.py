@@ -114,6 +114,13 @@ def buffer_sets(n, tdt, k=3):
     return [[torch.randn(n, device="cuda").to(tdt) for _ in range(k)] for _ in range(nsets)]
 
 
+def operand_sets(n, tdt, hot):
+    """One buffer set of three (``hot``: the same operands every call, L2-resident when they
+    fit) or the sets of :func:`buffer_sets`, rotated over 2x L2 (cold)."""
+    return [[torch.randn(n, device="cuda").to(tdt) for _ in range(3)]] if hot \
+        else buffer_sets(n, tdt)
+
+
 @functools.lru_cache(None)
 def named_kernel(name, fmts):
     return _launch.Kernel(prog([name]), name, list(fmts))
@@ -560,14 +567,11 @@ def ncurange_cases():
         n = 1 << lg
         nvec = n // (16 // dt.itemsize)
         for hot in (True, False):
-            sets = [[torch.randn(n, device="cuda").to(tdt) for _ in range(3)]] if hot \
-                else buffer_sets(n, tdt)
-            fns = {"torch": lambda a, b, d: torch.add(a, b, out=d),
-                   "6/SM": ew_add(dt, nvec, smem=cap_smem(7)), "8/SM": ew_add(dt, nvec),
-                   "gl8u2": gs_add(dt, nvec, 8, 2, lean=True),
-                   "gl8u2h": gs_add(dt, nvec, 8, 2, MOVES["half"], lean=True)}
-            if not hot:
-                del fns["8/SM"], fns["gl8u2h"]
+            sets = operand_sets(n, tdt, hot)
+            variants = hot3_variants(dt, nvec)
+            fns = {"torch": lambda a, b, d: torch.add(a, b, out=d)}
+            fns.update((k, variants[k]) for k in (("6/SM", "8/SM", "gl8u2", "gl8u2h") if hot
+                                                  else ("6/SM", "gl8u2")))
             for name, f in fns.items():
                 for i in range(2 * len(sets)):
                     f(*sets[i % len(sets)][:3])
@@ -632,8 +636,7 @@ def _occ_medium(timer, title, hot, cases=MEDIUM_CASES, rounds=5, reps=5, shapes=
                 n = 1 << lg
                 nvec = n // (16 // dt.itemsize)
                 grid = -(-nvec // 256)
-                sets = ([[torch.randn(n, device="cuda").to(tdt) for _ in range(3)]] if hot
-                        else buffer_sets(n, tdt))
+                sets = operand_sets(n, tdt, hot)
                 fns = {"torch": lambda s, peer=peer: peer(s[0], s[1], out=s[2])}
                 for label, sm in (("8/SM", 0), ("6/SM", smem)):
                     fns[label] = on_set(ew_add(dt, nvec, smem=sm, op=op))
@@ -709,8 +712,7 @@ def _hot_cold_add(timer, cases, variants):
                 if hot and n * dt.itemsize * 3 > L2:
                     continue
                 nvec = n // (16 // dt.itemsize)
-                sets = ([[torch.randn(n, device="cuda").to(tdt) for _ in range(3)]] if hot
-                        else buffer_sets(n, tdt))
+                sets = operand_sets(n, tdt, hot)
                 fns = {"torch": lambda s: torch.add(s[0], s[1], out=s[2])}
                 fns.update({k: on_set(f) for k, f in variants(dt, nvec).items()})
                 med = gpu_rounds(timer, fns, sets, rounds=9, reps=7)
