@@ -18,7 +18,8 @@ import sys
 
 from . import _dtypes
 
-__all__ = ["View", "as_view", "is_array", "framework_of"]
+__all__ = ["View", "as_view", "framework_of", "DEFERRED", "deferred_device", "import_deferred",
+           "resolve_device"]
 
 
 class View:
@@ -84,10 +85,24 @@ def _what(obj) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+_EXPECTED = ("a CUDA device array (CuPy, torch, JAX, Numba, or an object with "
+             "__cuda_array_interface__ / __dlpack__)")
+
+
+def _looks_like_host_array(obj):
+    """Data that lives in host memory (NumPy arrays and scalars, CPU tensors, host DLPack
+    producers, buffers, sequences), as opposed to something that is no array at all."""
+    tp = type(obj)
+    if tp in (list, tuple, memoryview, bytes, bytearray):
+        return True
+    return any(hasattr(tp, a) for a in ("__array__", "__array_interface__", "__dlpack__",
+                                        "__cuda_array_interface__", "__buffer__"))
+
+
 def _host_error(what, obj):
-    return TypeError(
-        f"{what} must be a CUDA device array (CuPy, torch, JAX, Numba, or an object with "
-        f"__cuda_array_interface__ / __dlpack__); got host data of type {_what(obj)}")
+    if _looks_like_host_array(obj):
+        return TypeError(f"{what} must be {_EXPECTED}; got host data of type {_what(obj)}")
+    return TypeError(f"{what} must be {_EXPECTED}; got {_what(obj)}, which is not an array")
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,10 +354,14 @@ def _from_dlpack(obj, what, stream, kind="dlpack"):
     return v
 
 
-def _from_jax(obj, what, stream):
-    # JAX arrays are immutable: whatever the capsule says, never write into them.
+def _check_jax_single(obj, what):
     if getattr(obj, "is_fully_addressable", True) is False or len(obj.devices()) != 1:
         raise TypeError(f"{what}: sharded JAX arrays are not supported; pass a single-device array")
+
+
+def _from_jax(obj, what, stream):
+    # JAX arrays are immutable: whatever the capsule says, never write into them.
+    _check_jax_single(obj, what)
     v = _from_dlpack(obj, what, stream, "jax")
     v.readonly = True
     return v
@@ -398,11 +417,6 @@ def framework_of(obj):
     return fn
 
 
-def is_array(obj) -> bool:
-    """True for objects cupylab would try to read as device arrays (no validation)."""
-    return framework_of(obj) is not None
-
-
 def as_view(obj, what="array", stream=None) -> View:
     """Normalise one GPU array into a :class:`View` (zero-copy).
 
@@ -429,3 +443,40 @@ def as_view(obj, what="array", stream=None) -> View:
     if fn is None:
         raise _host_error(what, obj)
     return fn(obj, what, stream)
+
+
+# --------------------------------------------------------------------------------------------
+# producers imported through DLPack: they need the consumer's stream before the import
+#: Adapters whose import must wait until the launch stream is known (DLPack asks the consumer
+#: for its stream so the producer can order its pending work before it).
+DEFERRED = frozenset({_from_jax, _from_dlpack})
+
+
+def deferred_device(obj, fn, what) -> int:
+    """The CUDA device of a producer that :data:`DEFERRED` adapter ``fn`` will import later.
+
+    Called when the arguments are bound, before any device or stream is resolved, so that a
+    host DLPack producer (or a JAX CPU array, or a sharded JAX array) raises the documented
+    ``TypeError`` instead of failing later in the runtime. Makes no GPU call.
+    """
+    if fn is _from_jax:
+        _check_jax_single(obj, what)
+    dev = obj.__dlpack_device__()
+    if int(dev[0]) not in (DL_CUDA, DL_CUDA_MANAGED):
+        raise _host_error(what, obj)
+    return int(dev[1])
+
+
+def import_deferred(obj, fn, what, stream) -> View:
+    """Import a deferred producer now that the launch ``stream`` is known."""
+    return fn(obj, what, stream)
+
+
+def resolve_device(v: View, default: int) -> int:
+    """``v``'s device, looked up from its pointer for CAI producers (which do not say), or
+    ``default`` for an empty array (null pointer)."""
+    if v.device is None:
+        from . import _runtime  # noqa: PLC0415 - the runtime is only needed here
+
+        v.device = _runtime.pointer_device(v.ptr) if v.ptr else default
+    return v.device

@@ -207,12 +207,16 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
     if lead is None:
         raise TypeError(f"{name}: at least one operand must be a GPU array (all are scalars)")
 
-    dlpack_fns = (_arrays._from_jax, _arrays._from_dlpack)
+    deferred = _arrays.DEFERRED
     views = [None] * n
     pending = False
+    lead_dev = None
     for i, fn in enumerate(fns):
         if fn is not None:
-            if fn in dlpack_fns:
+            if fn in deferred:
+                d = _arrays.deferred_device(ops[i], fn, f"{name}: {names[i]}")
+                if i == lead:
+                    lead_dev = d
                 pending = True
             else:
                 views[i] = fn(ops[i], f"{name}: {names[i]}", None)
@@ -226,10 +230,9 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
     if lv is not None:
         device = lv.device
         if device is None:
-            device = lv.device = (_runtime.pointer_device(lv.ptr) if lv.ptr
-                                  else _runtime.current_device())
+            device = _arrays.resolve_device(lv, None if lv.ptr else _runtime.current_device())
     else:
-        device = int(ops[lead].__dlpack_device__()[1])
+        device = lead_dev
     kind = _kind_of(fns[lead])
 
     with _launch.ensure_device(device):
@@ -239,16 +242,14 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
             s = _launch.resolve_stream(stream)
         if pending:
             for i, fn in enumerate(fns):
-                if fn in dlpack_fns:
-                    views[i] = fn(ops[i], f"{name}: {names[i]}", s)
+                if fn in deferred:
+                    views[i] = _arrays.import_deferred(ops[i], fn, f"{name}: {names[i]}", s)
             dt, scalars, shape = _validate(name, ops, views, names, dtype_check)
             ov = _check_out_static(name, out, shape, dt) if out is not None else None
         for i, v in enumerate(views):
             if v is None:
                 continue
-            if v.device is None:
-                v.device = _runtime.pointer_device(v.ptr) if v.ptr else device
-            if v.device != device:
+            if _arrays.resolve_device(v, device) != device:
                 raise ValueError(
                     f"{name}: arrays are on different GPUs ({names[lead]} on cuda:{device}, "
                     f"{names[i]} on cuda:{v.device})")
@@ -268,9 +269,7 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
                 torch = sys.modules["torch"]
                 c.out_obj.record_stream(torch.cuda.ExternalStream(s, device=device))
         else:
-            if ov.device is None:
-                ov.device = _runtime.pointer_device(ov.ptr) if ov.ptr else device
-            if ov.device != device:
+            if _arrays.resolve_device(ov, device) != device:
                 raise ValueError(
                     f"{name}: out is on cuda:{ov.device} but the inputs are on cuda:{device}")
             check_overlap(name, ov, shape, views, names)

@@ -1133,7 +1133,6 @@ def _as_signature(obj, name):
 # Kernels
 # =============================================================================================
 _PENDING = object()
-_DLPACK_FNS = (_arrays._from_jax, _arrays._from_dlpack)
 _MAX_GRID_X = 2**31 - 1
 _MAX_GRID_YZ = 65535
 _MAX_BLOCK = 1024
@@ -1264,13 +1263,13 @@ class Kernel:
             if fn is None:
                 values[i] = _address(p, a)
                 continue
-            if fn in _DLPACK_FNS:
+            if fn in _arrays.DEFERRED:
                 if fn is _arrays._from_jax and not p.const:
                     raise ValueError(_readonly_msg(p, "jax"))
                 values[i] = _PENDING
                 if pending is None:
                     pending = []
-                pending.append((i, fn))
+                pending.append((i, fn, _arrays.deferred_device(a, fn, p.what)))
                 continue
             v = fn(a, p.what, None)
             _check_view(p, v)
@@ -1291,9 +1290,9 @@ class Kernel:
         bytes
         """
         values, views, pending, _ = self._bind(args)
-        for i, fn in pending or ():
+        for i, fn, _ in pending or ():
             p = self._params[i]
-            v = fn(args[i], p.what, None)
+            v = _arrays.import_deferred(args[i], fn, p.what, None)
             _check_view(p, v)
             values[i] = v.ptr
         return self._k._struct.pack(*values)
@@ -1375,19 +1374,16 @@ class Kernel:
         device = None
         first = None
         for v in views:
-            d = v.device
-            if d is None:
-                if not v.ptr:
-                    continue
-                d = v.device = _runtime.pointer_device(v.ptr)
+            if v.device is None and not v.ptr:
+                continue
+            d = _arrays.resolve_device(v, None)
             if device is None:
                 device, first = d, v
             elif d != device:
                 raise ValueError(_device_msg(self, first, device, v, d))
         if device is None:
             if pending is not None:
-                i0, _ = pending[0]
-                device = int(args[i0].__dlpack_device__()[1])
+                device = pending[0][2]
             else:
                 device = _runtime.current_device()
         with _launch.ensure_device(device):
@@ -1396,9 +1392,9 @@ class Kernel:
             else:
                 s = _launch.resolve_stream(stream)
             if pending is not None:
-                for i, fn in pending:
+                for i, fn, _ in pending:
                     p = self._params[i]
-                    v = fn(args[i], p.what, s)
+                    v = _arrays.import_deferred(args[i], fn, p.what, s)
                     _check_view(p, v)
                     if v.device is not None and v.device != device and v.ptr:
                         raise ValueError(_device_msg(self, first or v, device, v, v.device))

@@ -175,3 +175,38 @@ def test_int_scalar_range():
     with pytest.raises(OverflowError, match="out of bounds for int32"):
         _dtypes.DTYPES["int32"].scalar_bits(2**31)
     assert _dtypes.DTYPES["int64"].scalar_bits(-(2**63)) == -(2**63)
+
+
+# -- errors a newcomer meets (no GPU: they must come before any device or stream lookup) -------
+@pytest.mark.parametrize("device_type", [1, 3])  # kDLCPU, kDLCUDAHost
+def test_host_dlpack_producer_is_a_type_error_before_any_gpu_call(device_type, monkeypatch):
+    import cupylab
+    from cupylab import _runtime
+
+    def no_gpu(*a, **k):  # any runtime call here would be the bug
+        raise AssertionError("the runtime was touched before the producer's device was checked")
+
+    monkeypatch.setattr(_runtime, "cupy", no_gpu)
+    host = FakeDLPack((4,), device_type=device_type)
+    with pytest.raises(TypeError, match=r"add: x must be a CUDA device array .* got host data"):
+        cupylab.add(host, host)
+    k = cupylab.load_kernels(source='extern "C" __global__ void f(const float* a, int n) {}')["f"]
+    with pytest.raises(TypeError, match=r"a.* got host data"):
+        k(host, 4, grid=1)
+    assert host.asked_stream == "unset"  # never imported
+
+
+@pytest.mark.parametrize("bad, shown", [(None, "NoneType"), ("a", "str"), (object(), "object")])
+def test_non_arrays_are_named_not_arrays(bad, shown):
+    import cupylab
+
+    with pytest.raises(TypeError, match=rf"add: x must be a CUDA device array .*got builtins\.{shown}, "
+                                        r"which is not an array"):
+        cupylab.add(bad, FakeCAI((2,)))
+
+
+def test_numpy_data_is_called_host_data():
+    import cupylab
+
+    with pytest.raises(TypeError, match=r"got host data of type numpy\.ndarray"):
+        cupylab.add(np.ones(2, np.float32), FakeCAI((2,)))
