@@ -11,6 +11,8 @@ Pipeline for one *program* (a source text, its name expressions and options):
    header, the lowered names, the cubin (or PTX) and a SHA-256 of all of it. A truncated or
    corrupt file fails the check and is rebuilt, never loaded. Writers write a temporary file
    in the same directory and ``os.replace`` it into place, so readers never see a partial file.
+   The directory is created private to the user (0700); a directory or entry that another
+   user owns or could write is never read or written (one warning, then compile instead).
 4. Miss: NVRTC (through CuPy's ``cupy_backends`` binding) compiles the name expressions to a
    cubin for the device's arch, records each lowered name, stores the entry, and the module is
    loaded from memory (``cuModuleLoadData``) with CuPy's ``Module``.
@@ -24,9 +26,11 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 from ._errors import CompileError
@@ -210,8 +214,46 @@ def complete_elf(b: bytes) -> bytes:
 
 
 # -- the disk cache ---------------------------------------------------------------------------
-def _entry_path(key: str) -> Path:
-    return cache_dir() / f"{key}.clbin"
+# A cubin in the cache is code this process will run, so the cache is trusted only when nobody
+# else can write it: the directory is created private to the user (0700), and a directory or
+# entry owned by another user, or writable by group or others, is never read or written
+# (warned about once per path; the kernel is compiled instead).
+_warned: set = set()
+
+
+def _trusted(st) -> bool:
+    if not hasattr(os, "geteuid"):  # no POSIX ownership to check
+        return True
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _distrust(path, st, what):
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        warnings.warn(
+            f"cupylab: not using the kernel cache {what} {path}: it is owned by uid {st.st_uid} "
+            f"with mode {stat.filemode(st.st_mode)}, so another user could write code into it; "
+            "kernels are compiled instead. Point CUPYLAB_CACHE_DIR at a directory only you can "
+            "write (or fix its owner and mode)", RuntimeWarning, stacklevel=4)
+
+
+def trusted_cache_dir():
+    """The cache directory, created private (mode 0700) when missing; ``None`` when it cannot
+    be created or is not trusted (see above)."""
+    d = cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = d.stat()
+    except OSError:
+        return None
+    if not _trusted(st):
+        _distrust(d, st, "directory")
+        return None
+    return d
+
+
+def _entry_path(key: str, d=None) -> Path:
+    return (cache_dir() if d is None else d) / f"{key}.clbin"
 
 
 def _pack_entry(binary: bytes, mapping: dict, kind: str) -> bytes:
@@ -238,9 +280,18 @@ def _unpack_entry(blob: bytes):
 
 
 def load_entry(key: str):
-    """Read a cache entry; ``None`` when absent, truncated or corrupt."""
+    """Read a cache entry; ``None`` when absent, truncated, corrupt or not trusted."""
+    d = trusted_cache_dir()
+    if d is None:
+        return None
+    path = _entry_path(key, d)
     try:
-        blob = _entry_path(key).read_bytes()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not _trusted(st):
+                _distrust(path, st, "entry")
+                return None
+            blob = f.read()
     except OSError:
         return None
     return _unpack_entry(blob)
@@ -249,16 +300,17 @@ def load_entry(key: str):
 def store_entry(key: str, binary: bytes, mapping: dict, kind: str) -> None:
     """Write an entry atomically (temporary file in the same directory, then rename).
     Failure to write (read-only home, full disk) only costs a recompile next time."""
-    d = cache_dir()
+    d = trusted_cache_dir()
+    if d is None:
+        return
     try:
-        d.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=d)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(_pack_entry(binary, mapping, kind))
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, _entry_path(key))
+            os.replace(tmp, _entry_path(key, d))
         except BaseException:
             try:
                 os.unlink(tmp)

@@ -5,7 +5,6 @@ Everything that needs the CUDA runtime goes through :func:`cupy` (the module) an
 """
 from __future__ import annotations
 
-import sys
 import threading
 
 from ._errors import NoGPUError
@@ -40,11 +39,6 @@ def cupy():
         _cupy = cp
         _gpu_checked = True
         return cp
-
-
-def cupy_if_loaded():
-    """CuPy if it has already been imported by someone, else ``None`` (never imports)."""
-    return sys.modules.get("cupy")
 
 
 class DeviceInfo:

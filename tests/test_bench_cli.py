@@ -570,3 +570,18 @@ def test_installed_console_script_runs():
     assert "vector_add" in p.stdout and "fused_add_mul" in p.stdout
     h = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
     assert h.returncode == 0 and "ceiling" in h.stdout and "overhead" in h.stdout
+
+
+def test_closed_pipe_ends_quietly_by_sigpipe_not_exit_1():
+    """`cupylab-bench list | head -1`: exit 1 means "a case failed", so a reader that stops
+    early must end the command the way it ends `cat` (SIGPIPE), with no traceback."""
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "cupylab.bench", "list"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=REPO)
+    p.stdout.close()  # the reader is gone before the first line is written
+    rc = p.wait(timeout=120)
+    err = p.stderr.read().decode()
+    p.stderr.close()
+    assert rc == -signal.SIGPIPE, (rc, err)
+    assert "Traceback" not in err and err.strip() == ""

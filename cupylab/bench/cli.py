@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 
@@ -742,6 +743,11 @@ def main(argv=None):
         result files.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    # A closed pipe (``cupylab-bench list | head -1``) ends the process the way it ends `cat` or
+    # `ls`: by SIGPIPE, silently (exit status 141 in the shell), not click's exit 1, which this
+    # command reserves for "a case failed".
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     return cli.main(args=args, prog_name="cupylab-bench", obj={"argv": ["cupylab-bench", *args]})
 
 
