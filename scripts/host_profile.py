@@ -1,5 +1,7 @@
 """Where does the host time of one small cupylab call go? Times each piece of the lean path
-back to back (wall clock, µs per call) beside torch.add, to find what to cut."""
+back to back (wall clock, µs per call) beside torch.add, then the GPU time of a few layouts
+(offset views, row broadcast, scalar operands) at 2^26 beside torch. docs/architecture.md cites
+its output. Needs a GPU, torch and CuPy: ``python scripts/host_profile.py``."""
 import time
 
 import torch
@@ -21,6 +23,23 @@ def bench(label, f, n=N):
     us = (time.perf_counter() - t) / n * 1e6
     print(f"{label:44s} {us:7.3f} us")
     return us
+
+
+def gpu_us(f, reps=9, inner=20):
+    """Median GPU time of one call of ``f`` in µs: ``reps`` batches of ``inner`` calls timed
+    with CUDA events on torch's current stream, after one warm-up call."""
+    f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(inner):
+            f()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / inner)
+    return sorted(ts)[reps // 2]
 
 
 x = torch.randn(1024, device="cuda")
@@ -101,8 +120,6 @@ bench("torch.cuda._sleep(0) (torch C++ launch)", lambda: torch.cuda._sleep(0))
 
 
 # -- GPU time (CUDA events, median of 9 x 20 calls) at 2^26: a first look at bandwidth -------
-from _gpu_timing import gpu_us  # noqa: E402
-
 n = 1 << 26
 big = torch.empty(1 << 28, device="cuda")
 big2 = torch.empty_like(big)
