@@ -14,6 +14,10 @@
 #   sweep.md                                        the sweep and fusion tables in Markdown
 #   commands.txt                                    the exact commands, for docs/perf.md
 #
+# To refresh docs/perf.md: copy sweep.json, fusion.json, overhead.json and sweep.png into
+# docs/perf/ and commands.txt to docs/perf/sweep_commands.txt, then run
+# python scripts/make_perf_md.py (it rewrites the page's tables from those files).
+#
 # Environment overrides: BENCH (command, default cupylab-bench, else python -m cupylab.bench),
 # SIZES (default 2^10..2^28:2; 2^10..2^28 for every power), DTYPES (all), REPEAT (5),
 # FRAMEWORK (torch), PEERS (torch,cupy,jax), FUSION_SIZES (2^24,2^26,2^28).

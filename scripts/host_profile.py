@@ -1,11 +1,13 @@
 """Where does the host time of one small cupylab call go? Times each piece of the lean path
-back to back (wall clock, µs per call) beside torch.add, to find what to cut."""
+back to back (wall clock, µs per call) beside torch.add, then the GPU time of a few layouts
+(offset views, row broadcast, scalar operands) at 2^26 beside torch. docs/architecture.md cites
+its output. Needs a GPU, torch and CuPy: ``python scripts/host_profile.py``."""
 import time
 
 import torch
 
 import cupylab
-from cupylab.ops import _fast, elementwise as ew
+from cupylab.ops import elementwise as ew
 
 N = 3000
 
@@ -21,6 +23,23 @@ def bench(label, f, n=N):
     us = (time.perf_counter() - t) / n * 1e6
     print(f"{label:44s} {us:7.3f} us")
     return us
+
+
+def gpu_us(f, reps=9, inner=20):
+    """Median GPU time of one call of ``f`` in µs: ``reps`` batches of ``inner`` calls timed
+    with CUDA events on torch's current stream, after one warm-up call."""
+    f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(inner):
+            f()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / inner)
+    return sorted(ts)[reps // 2]
 
 
 x = torch.randn(1024, device="cuda")
@@ -40,7 +59,6 @@ bench("torch.add(x, y, out=z)", lambda: torch.add(x, y, out=z))
 bench("x + y", lambda: x + y)
 bench("cupylab.add(x, y, out=z)", lambda: cupylab.add(x, y, out=z))
 bench("cupylab.add(x, y)", lambda: cupylab.add(x, y))
-bench("_fast.run(0, x, y, ABSENT, z)", lambda: _fast.run(0, x, y, _fast.ABSENT, z, None))
 bench("cupy driver.launchKernel (raw)", lambda: driver.launchKernel(f, 1, 1, 1, 256, 1, 1, 0, 0, params, 0))
 bench("Kernel.launch (pack + launch)", lambda: k.launch(0, 1, 256, 0, args))
 bench("struct pack_into", lambda: k._struct.pack_into(buf, 0, *args))
@@ -56,7 +74,9 @@ bench("x.numel()", lambda: x.numel())
 bench("x.dtype", lambda: x.dtype)
 bench("x.new_empty(shape)", lambda: x.new_empty(x.shape))
 bench("torch.empty_like(x)", lambda: torch.empty_like(x))
-bench("cupy getDevice", lambda: _fast._get_device())
+from cupy.cuda.runtime import getDevice as cupy_get_device  # noqa: E402
+
+bench("cupy getDevice", cupy_get_device)
 call = cupylab.prepare(cupylab.add, x, y, out=z)
 bench("prepared call()", call)
 import cupy as cp  # noqa: E402
@@ -101,8 +121,6 @@ bench("torch.cuda._sleep(0) (torch C++ launch)", lambda: torch.cuda._sleep(0))
 
 
 # -- GPU time (CUDA events, median of 9 x 20 calls) at 2^26: a first look at bandwidth -------
-from _gpu_timing import gpu_us  # noqa: E402
-
 n = 1 << 26
 big = torch.empty(1 << 28, device="cuda")
 big2 = torch.empty_like(big)

@@ -1,0 +1,298 @@
+"""Regenerate the tables of docs/perf.md from the stored result files in docs/perf/.
+
+Every table in docs/perf.md sits between two marker comments::
+
+    <!-- table:NAME -->
+    ...generated lines...
+    <!-- /table -->
+
+This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
+(``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``) and the
+command file, and leaves every other line (the prose) alone. The per-case tables are formatted
+by :mod:`cupylab.bench._report`, the same code that prints them on the command line.
+
+Usage (from the repository root; needs no GPU)::
+
+    python scripts/make_perf_md.py            # rewrite the tables in docs/perf.md
+    python scripts/make_perf_md.py --check    # exit 1 if docs/perf.md is stale
+
+Exit codes: 0 up to date (or rewritten), 1 stale (``--check``), 2 a marker or file problem.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the checkout's cupylab, installed or not
+    sys.path.insert(0, str(ROOT))
+
+from cupylab.bench import _report  # noqa: E402
+
+BEGIN = re.compile(r"^<!-- table:([a-z0-9-]+) -->$")
+END = "<!-- /table -->"
+PEER = "torch"  # the ratio columns of the summaries: torch eager time / cupylab time
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+DTYPES = FLOATS + ("int32", "int64")
+LARGE = 1 << 24
+COMMANDS = "sweep_commands.txt"
+FILES = {  # stored file -> what it holds
+    "sweep.json": "every operator x dtype x power of two 2^10..2^28, peers torch eager and CuPy",
+    "fusion.json": "fused_add_mul against torch eager, torch.compile and CuPy",
+    "overhead.json": "host cost per call and graph replay",
+    "medium.json": "float dtypes at 2^20..2^23, 7 repetitions (a second look at medium sizes)",
+    "large16.json": "16-bit dtypes at 2^24..2^28, 9 repetitions (a second look at the ties)",
+}
+
+
+class DocError(Exception):
+    """A marker or result-file problem (exit code 2)."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def _n(r) -> int:
+    return int(r["n"])
+
+
+def _pow(n) -> str:
+    return _report.shape_str([n])
+
+
+def _ratio(r, peer=PEER):
+    e = (r.get("peers") or {}).get(peer)
+    return None if not e else e.get("ratio")
+
+
+def _ok(doc):
+    return [r for r in doc["results"] if r["status"] == "ok"]
+
+
+def _rng(values, fmt="{:.1f}") -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return ""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _table(headers, rows, right):
+    return _report.render(headers, rows, right, markdown=True)
+
+
+def _drop_empty_last(lines):
+    """Drop the last column of a Markdown table when it is empty in every row (the ``note``
+    column of a run where every case passed)."""
+    cells = [ln[2:-2].split(" | ") for ln in lines]
+    if len(lines) > 2 and all(not c[-1].strip() for c in cells[2:]):
+        rule = lines[1].strip("|").split("|")[:-1]
+        return (["| " + " | ".join(cells[0][:-1]) + " |", "|" + "|".join(rule) + "|"]
+                + ["| " + " | ".join(c[:-1]) + " |" for c in cells[2:]])
+    return lines
+
+
+def _r3(v) -> str:
+    """A ratio to 3 decimals, or 4 where 3 would round a loss up to 1.000."""
+    return f"{v:.4f}" if v < 1 and f"{v:.3f}" == "1.000" else f"{v:.3f}"
+
+
+def _command(argv) -> str:
+    """The recorded command line, with the device's output paths cut to file names."""
+    return shlex.join(Path(a).name if a.startswith("/") else a for a in argv)
+
+
+# ----------------------------------------------------------------------------- the tables
+def t_env(data):
+    e = data["sweep.json"]["env"]
+    c = data["sweep.json"]["ceiling"]
+    gpu = (f"{e['gpu']} (compute capability {e['gpu_cc']}, {e['gpu_sms']} SMs, "
+           f"{e['gpu_l2_bytes'] / (1 << 20):.0f} MiB L2, "
+           f"{e['gpu_memory_bytes'] / (1 << 30):.0f} GiB)")
+    rows = [["GPU", gpu],
+            ["driver (CUDA version it supports) / CUDA runtime",
+             f"{e['driver']} / {e['cuda_runtime']}"],
+            ["Python / NumPy", f"{e['python']} / {e['numpy']}"],
+            ["CuPy / torch / JAX", f"{e['cupy']} / {e['torch']} / {e['jax']}"],
+            *(ln.split(": ", 1) for ln in _report.ceiling_lines(c))]
+    return _table(["what", "value"], rows, [False, False])
+
+
+def t_sources(data):
+    rows = []
+    for name, what in FILES.items():
+        e = data[name]["env"]
+        rows.append([f"`{name}`", what, f"`{_command(e['argv'])}`", e["timestamp"][:16] + "Z",
+                     f"{data[name]['ceiling']['gbps']:,.0f}"])
+    plot = [ln[2:].strip() for ln in data[COMMANDS] if " plot " in ln]
+    if plot:
+        rows.append(["`sweep.png`", "the plot below, from sweep.json",
+                     f"`{_command(shlex.split(plot[0]))}`", "", ""])
+    return _table(["file", "holds", "command", "date (UTC)", "ceiling GB/s"], rows,
+                  [False, False, False, False, True])
+
+
+def t_sweep_sizes(data):
+    res = _ok(data["sweep.json"])
+    rows = []
+    for n in sorted({_n(r) for r in res}):
+        at = [r for r in res if _n(r) == n and _ratio(r) is not None]
+        low = min(at, key=_ratio)
+        ratios = [_ratio(r) for r in at]
+        pct = [r["pct_ceiling"] for r in at if r["dtype"] in FLOATS]
+        rows.append([_pow(n), str(len(at)), f"{min(ratios):.3f} ({low['op']} {low['dtype']})",
+                     f"{statistics.median(ratios):.3f}", f"{max(ratios):.2f}",
+                     str(sum(x < 1 for x in ratios)), _rng(pct)])
+    return _table(["n", "cases", "torch / cupylab: min (case)", "median", "max", "under 1",
+                   "% of ceiling, float dtypes"], rows,
+                  [False, True, False, True, True, True, False])
+
+
+def t_sweep_large(data):
+    res = [r for r in _ok(data["sweep.json"]) if _n(r) >= LARGE]
+    rows = []
+    for dt in DTYPES:
+        at = [r for r in res if r["dtype"] == dt and _ratio(r) is not None]
+        if not at:
+            continue
+        ratios = [_ratio(r) for r in at]
+        cupy = [_ratio(r, "cupy") for r in at]
+        under = [f"{r['op']} {_pow(_n(r))} ({_r3(_ratio(r))})" for r in at if _ratio(r) < 1]
+        rows.append([dt, str(len(at)), _rng([r["pct_ceiling"] for r in at]),
+                     _rng(ratios, "{:.3f}"), f"{statistics.median(ratios):.3f}",
+                     ", ".join(under) or "none",
+                     f"{statistics.median([x for x in cupy if x is not None]):.2f}"])
+    return _table(["dtype", "cases", "% of ceiling", "torch / cupylab", "median",
+                   "under 1", "CuPy / cupylab, median"], rows,
+                  [False, True, True, True, True, False, True])
+
+
+def t_sweep_ops(data):
+    keep = [r for r in data["sweep.json"]["results"]
+            if r["dtype"] in ("float32", "bfloat16") and _n(r) in (1 << 20, 1 << 26)]
+    return _drop_empty_last(_report.results_table(keep, markdown=True))
+
+
+def t_fusion(data):
+    return _drop_empty_last(_report.results_table(data["fusion.json"]["results"], markdown=True))
+
+
+def t_repeats(data):
+    rows = []
+    for name in ("medium.json", "large16.json"):
+        res = _ok(data[name])
+        sizes = sorted({_n(r) for r in res})
+        for dt in DTYPES:
+            at = [r for r in res if r["dtype"] == dt and _ratio(r) is not None]
+            if not at:
+                continue
+            ratios = [_ratio(r) for r in at]
+            under = [f"{r['op']} {_pow(_n(r))} ({_r3(_ratio(r))})" for r in at if _ratio(r) < 1]
+            rows.append([f"`{name}`", dt, f"{_pow(sizes[0])}..{_pow(sizes[-1])}", str(len(at)),
+                         _rng(ratios, "{:.3f}"), f"{statistics.median(ratios):.3f}",
+                         ", ".join(under) or "none"])
+    return _table(["file", "dtype", "sizes", "cases", "torch / cupylab", "median", "under 1"],
+                  rows, [False, False, False, True, True, True, False])
+
+
+def _overhead(data, graphs):
+    rows = [r for r in data["overhead.json"]["overhead"]
+            if ("graph" in r["case"].lower()) == graphs]
+    return _drop_empty_last(_report.overhead_table(rows, markdown=True))
+
+
+def t_host(data):
+    return _overhead(data, graphs=False)
+
+
+def t_graphs(data):
+    return _overhead(data, graphs=True)
+
+
+TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
+          "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "fusion": t_fusion,
+          "repeats": t_repeats, "host": t_host, "graphs": t_graphs}
+
+
+# ----------------------------------------------------------------------------- the page
+def load_data(data_dir: Path) -> dict:
+    data = {}
+    for name in FILES:
+        try:
+            data[name] = _report.load(data_dir / name)
+        except (OSError, ValueError) as e:
+            raise DocError(f"{data_dir / name}: {e}") from None
+    try:
+        data[COMMANDS] = (data_dir / COMMANDS).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise DocError(f"{data_dir / COMMANDS}: {e}") from None
+    return data
+
+
+def render_doc(text: str, data: dict) -> tuple:
+    """``(new text, names of the tables that changed)``; every table in TABLES must appear
+    exactly once, between its two markers."""
+    lines = text.split("\n")
+    out, changed, seen = [], [], []
+    i = 0
+    while i < len(lines):
+        m = BEGIN.match(lines[i])
+        out.append(lines[i])
+        i += 1
+        if not m:
+            continue
+        name = m.group(1)
+        if name not in TABLES:
+            raise DocError(f"unknown table {name!r} (known: {', '.join(TABLES)})")
+        if name in seen:
+            raise DocError(f"table {name!r} appears twice")
+        seen.append(name)
+        try:
+            end = lines.index(END, i)
+        except ValueError:
+            raise DocError(f"table {name!r}: no {END} after its marker") from None
+        if any(BEGIN.match(ln) for ln in lines[i:end]):
+            raise DocError(f"table {name!r}: a marker inside it")
+        new = TABLES[name](data)
+        if lines[i:end] != new:
+            changed.append(name)
+        out += new
+        out.append(END)
+        i = end + 1
+    missing = [n for n in TABLES if n not in seen]
+    if missing:
+        raise DocError(f"no marker for table(s) {', '.join(missing)}")
+    return "\n".join(out), changed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="change nothing; exit 1 if a table differs from the stored results")
+    ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "perf.md")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="directory of the result files (default: perf/ beside --doc)")
+    a = ap.parse_args(argv)
+    data_dir = a.data if a.data is not None else a.doc.parent / "perf"
+    try:
+        text = a.doc.read_text(encoding="utf-8")
+        new, changed = render_doc(text, load_data(data_dir))
+    except (DocError, OSError) as e:
+        print(f"make_perf_md: {e}", file=sys.stderr)
+        return 2
+    if not changed:
+        print(f"make_perf_md: {a.doc} is up to date ({len(TABLES)} tables)")
+        return 0
+    if a.check:
+        print(f"make_perf_md: {a.doc} is stale: table(s) {', '.join(changed)} differ from "
+              f"{data_dir}; run python scripts/make_perf_md.py", file=sys.stderr)
+        return 1
+    a.doc.write_text(new, encoding="utf-8")
+    print(f"make_perf_md: rewrote table(s) {', '.join(changed)} in {a.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
