@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupylab import CompileError, _compile, _runtime
+from cupylab import CompileError, _compile, _kmodule, _runtime
 from cupylab import kernels as K
 from cupylab.kernels import ElementwiseKernel, KernelNotFoundError, load_kernels
 
@@ -561,7 +561,7 @@ def test_disk_cache_hit_and_header_change(cache, tmp_path):
     s0 = dict(_compile.stats)
     load_kernels(cu, include_dirs=[d / "inc"]).compile(cc=90)
     assert _compile.stats["compiled"] == s0["compiled"] + 1
-    K._modules.clear()  # as in a new process: new module objects, same disk cache
+    _kmodule._modules.clear()  # as in a new process: new module objects, same disk cache
     load_kernels(cu, include_dirs=[d / "inc"]).compile(cc=90)
     assert _compile.stats["compiled"] == s0["compiled"] + 1
     assert _compile.stats["disk_hits"] == s0["disk_hits"] + 1
