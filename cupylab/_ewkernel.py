@@ -1,7 +1,7 @@
 """NumPy-style wrappers of users' elementwise kernels (for :mod:`cupylab.kernels`)."""
 from __future__ import annotations
 
-from . import _arrays, _launch
+from . import _arrays, _kfast, _launch
 from ._elementwise_core import c_strides, finish_output, prepare_call
 from ._kernel import _MAX_GRID_X, Kernel, _block, _readonly_msg
 from ._kmodule import KernelModule
@@ -9,6 +9,7 @@ from ._kmodule import KernelModule
 __all__ = ["ElementwiseKernel", "C_TYPE_NAMES"]
 
 
+_UNSEEN = object()
 #: C spellings substituted for ``{T}`` in :class:`ElementwiseKernel` name patterns.
 C_TYPE_NAMES = {
     "float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double",
@@ -92,6 +93,8 @@ class ElementwiseKernel:
         if b[1] != 1 or b[2] != 1:
             raise ValueError(f"ElementwiseKernel takes a 1-D block (got {block!r})")
         self.block = b[0]
+        self._max_n = _MAX_GRID_X * self.block  # more elements need more blocks than CUDA has
+        self._lean = {}  # (type(out), operand types...) -> _kfast.EwPattern, or None
         params = proto.signature.params
         self.name = (self._pattern or proto.name).replace("<{T}>", "").replace("{T}", "")
         self._out = self._find(params, out, "out", lambda p: p.pointer and not p.const,
@@ -180,6 +183,22 @@ class ElementwiseKernel:
         OverflowError
             A scalar, or the element count, out of range for its C type.
         """
+        key = (type(out), *map(type, args))
+        pat = self._lean.get(key, _UNSEEN)
+        if pat is not _UNSEEN and pat is not None:
+            r = pat.call(args, out, stream)
+            if r is not _kfast.MISS:
+                return r
+        r, k = self._call_checked(args, out, stream)
+        if pat is _UNSEEN:
+            pat = self._lean[key] = _kfast.EwPattern.make(self, args, out)
+        if pat is not None and k is not None:
+            pat.learn(k, args)
+        return r
+
+    def _call_checked(self, args, out, stream):
+        """The full path (:func:`cupylab._elementwise_core.prepare_call` and every check);
+        returns the result and the kernel instance used (None when nothing was launched)."""
         nop = len(self._operands)
         if len(args) != nop:
             raise TypeError(f"{self.name}() takes {nop} operand{'' if nop == 1 else 's'} "
@@ -239,7 +258,10 @@ class ElementwiseKernel:
                     if v.stream is not None:
                         _launch.wait_for(c.stream, v.stream, c.device)
                 k._k.launch(c.device, grid, self.block, c.stream, values)
-        return finish_output(c.kind, c.out_obj, c.stream, c.device) if c.allocated else c.out_obj
+        else:
+            k = None
+        return (finish_output(c.kind, c.out_obj, c.stream, c.device) if c.allocated
+                else c.out_obj), k
 
     def _proto_param(self, j):
         proto = self._fixed or next(iter(self._instances.values()), None)

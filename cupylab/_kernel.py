@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import numbers
 
-from . import _arrays, _launch, _runtime
+from . import _arrays, _kfast, _launch, _runtime
 
 __all__ = ["Kernel", "BLOCKS_PER_SM_1D"]
 
 
 _PENDING = object()
+_UNSEEN = object()
 _MAX_GRID_X = 2**31 - 1
 _MAX_GRID_YZ = 65535
 _MAX_BLOCK = 1024
@@ -102,7 +103,7 @@ class Kernel:
     module : KernelModule
     """
 
-    __slots__ = ("name", "signature", "module", "_k", "_params", "_n", "_smem_set")
+    __slots__ = ("name", "signature", "module", "_k", "_params", "_n", "_smem_set", "_binders")
 
     def __init__(self, module, name_expression, signature, program):
         self.name = name_expression
@@ -112,6 +113,7 @@ class Kernel:
         self._n = len(self._params)
         self._k = _launch.Kernel(program, name_expression, signature.formats)
         self._smem_set = {}
+        self._binders = {}  # tuple of argument types -> _kfast.Binder, or None: full path
 
     def __repr__(self):
         return f"<cupylab.Kernel {self.signature}>"
@@ -214,9 +216,11 @@ class Kernel:
         cupylab.CompileError
             On the first launch, when NVRTC rejects the source.
         """
-        g = _grid(grid)
-        b = _block(block)
-        self._launch(args, g, b, _smem(shared_mem), stream, None)
+        g = (grid, 1, 1) if type(grid) is int and 0 < grid <= _MAX_GRID_X else _grid(grid)
+        b = (block, 1, 1) if type(block) is int and 0 < block <= _MAX_BLOCK else _block(block)
+        if type(shared_mem) is not int or shared_mem < 0:
+            shared_mem = _smem(shared_mem)
+        self._launch(args, g, b, shared_mem, stream, None)
 
     def launch_1d(self, n, *args, block=256, shared_mem=0, stream=None):
         """Launch a 1-D grid-stride kernel over ``n`` elements.
@@ -242,14 +246,58 @@ class Kernel:
         ------
         Same as :meth:`__call__`; ``ValueError`` for a negative ``n``.
         """
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise ValueError(f"{self.name}: n must be a non-negative int (got {n!r})")
-        b = _block(block)
-        if b[1] != 1 or b[2] != 1:
-            raise ValueError(f"launch_1d takes a 1-D block (got {block!r})")
-        self._launch(args, None, b, _smem(shared_mem), stream, int(n))
+        if type(n) is not int or n < 0:
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+                raise ValueError(f"{self.name}: n must be a non-negative int (got {n!r})")
+            n = int(n)
+        if type(block) is int and 0 < block <= _MAX_BLOCK:
+            b = (block, 1, 1)
+        else:
+            b = _block(block)
+            if b[1] != 1 or b[2] != 1:
+                raise ValueError(f"launch_1d takes a 1-D block (got {block!r})")
+        if type(shared_mem) is not int or shared_mem < 0:
+            shared_mem = _smem(shared_mem)
+        self._launch(args, None, b, shared_mem, stream, n)
 
     def _launch(self, args, grid, block, smem, stream, n1d):
+        key = tuple(map(type, args))
+        binder = self._binders.get(key, _UNSEEN)
+        if binder is _UNSEEN:
+            self._launch_checked(args, grid, block, smem, stream, n1d)
+            self._binders[key] = _kfast.make_binder(self._params, args)
+        elif binder is None or not self._launch_bound(binder, args, grid, block, smem, stream,
+                                                      n1d):
+            self._launch_checked(args, grid, block, smem, stream, n1d)
+
+    def _launch_bound(self, binder, args, grid, block, smem, stream, n1d):
+        """The lean path (:mod:`cupylab._kfast`): launch with a binder of this argument
+        pattern and return True, or return False, having done nothing, for the full path."""
+        if n1d == 0 or (n1d is None and 0 in grid):
+            return False  # the full path checks, and launches nothing
+        r = _kfast.bind(binder, args)
+        if r is None:
+            return False
+        values, device = r
+        try:
+            if _runtime.current_device() != device:
+                return False
+            if stream is None:
+                s = _launch.current_stream(binder.kind, device)
+            else:
+                s = _launch.resolve_stream(stream)
+        except Exception:  # noqa: BLE001 - the full path raises the documented error
+            return False
+        if n1d is not None:
+            sm = _runtime.device_info(device).sm_count
+            grid = (min(-(-n1d // block[0]), sm * BLOCKS_PER_SM_1D, _MAX_GRID_X), 1, 1)
+        if smem > _SMEM_DEFAULT_MAX:
+            self._opt_in_smem(device, smem)
+        self._k.launch(device, grid[0], block[0], s, values, smem, grid[1:], block[1:])
+        return True
+
+    def _launch_checked(self, args, grid, block, smem, stream, n1d):
+        """The full path: every check of :meth:`_bind`, devices, streams, DLPack imports."""
         values, views, pending, torch_seen = self._bind(args)
         empty = (n1d == 0) if n1d is not None else (0 in grid)
         if empty and pending is None:
