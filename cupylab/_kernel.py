@@ -275,25 +275,11 @@ class Kernel:
         pattern and return True, or return False, having done nothing, for the full path."""
         if n1d == 0 or (n1d is None and 0 in grid):
             return False  # the full path checks, and launches nothing
-        r = _kfast.bind(binder, args)
+        r = _kfast.bind(binder, args, stream)
         if r is None:
             return False
-        values, device = r
-        try:
-            if _runtime.current_device() != device:
-                return False
-            if stream is None:
-                s = _launch.current_stream(binder.kind, device)
-            else:
-                s = _launch.resolve_stream(stream)
-        except Exception:  # noqa: BLE001 - the full path raises the documented error
-            return False
-        if n1d is not None:
-            sm = _runtime.device_info(device).sm_count
-            grid = (min(-(-n1d // block[0]), sm * BLOCKS_PER_SM_1D, _MAX_GRID_X), 1, 1)
-        if smem > _SMEM_DEFAULT_MAX:
-            self._opt_in_smem(device, smem)
-        self._k.launch(device, grid[0], block[0], s, values, smem, grid[1:], block[1:])
+        values, device, s = r
+        self._go(device, grid, block, smem, s, values, n1d)
         return True
 
     def _launch_checked(self, args, grid, block, smem, stream, n1d):
@@ -336,12 +322,16 @@ class Kernel:
             for v in views:
                 if v.stream is not None:
                     _launch.wait_for(s, v.stream, device)
-            if n1d is not None:
-                sm = _runtime.device_info(device).sm_count
-                grid = (min(-(-n1d // block[0]), sm * BLOCKS_PER_SM_1D, _MAX_GRID_X), 1, 1)
-            if smem > _SMEM_DEFAULT_MAX:
-                self._opt_in_smem(device, smem)
-            self._k.launch(device, grid[0], block[0], s, values, smem, grid[1:], block[1:])
+            self._go(device, grid, block, smem, s, values, n1d)
+
+    def _go(self, device, grid, block, smem, s, values, n1d):
+        """The launch itself, arguments checked and packed values ready; ``device`` current."""
+        if n1d is not None:
+            sm = _runtime.device_info(device).sm_count
+            grid = (min(-(-n1d // block[0]), sm * BLOCKS_PER_SM_1D, _MAX_GRID_X), 1, 1)
+        if smem > _SMEM_DEFAULT_MAX:
+            self._opt_in_smem(device, smem)
+        self._k.launch(device, grid[0], block[0], s, values, smem, grid[1:], block[1:])
 
     def _opt_in_smem(self, device, smem):
         if self._smem_set.get(device, 0) >= smem:

@@ -63,12 +63,9 @@ class Binder:
         The same for CuPy arrays.
     scalars : tuple of (index, converter, what)
         Scalar parameters (and ``int`` addresses for pointers): ``converter(value, what)``.
-    kind : str
-        ``"torch"`` when a tensor is among the arguments (its current stream is used), else
-        ``"cupy"``.
     """
 
-    __slots__ = ("n", "torch", "cupy", "scalars", "kind")
+    __slots__ = ("n", "torch", "cupy", "scalars")
 
 
 def make_binder(params, args):
@@ -98,13 +95,14 @@ def make_binder(params, args):
     b = Binder()
     b.n = len(params)
     b.torch, b.cupy, b.scalars = tuple(torch), tuple(cupy), tuple(scalars)
-    b.kind = "torch" if torch else "cupy"
     return b
 
 
-def bind(b, args):
-    """``(values, device)`` for a launch of ``args`` with binder ``b``, or ``None`` to take
-    the full path. ``values`` are ready for :meth:`cupylab._launch.Kernel.launch`."""
+def bind(b, args, stream):
+    """``(values, device, stream handle)`` for a launch of ``args`` with binder ``b``, or
+    ``None`` to take the full path: ``values`` are ready for
+    :meth:`cupylab._launch.Kernel.launch`, every array is on ``device``, which is current,
+    and the stream is ``stream`` resolved or the caller's current one."""
     values = [0] * b.n
     dev = -1
     try:
@@ -125,8 +123,8 @@ def bind(b, args):
                 values[i] = t.data_ptr()
         for i, want, ok in b.cupy:
             a = args[i]
-            d = a.dtype
-            if d is not want and (want is not None or d not in ok):
+            d = a.dtype  # NumPy dtypes: equal ones need not be the same object
+            if d is not want and (d not in ok if want is None else d != want):
                 return None
             if not a._c_contiguous:
                 isz = d.itemsize
@@ -141,9 +139,49 @@ def bind(b, args):
             values[i] = m.ptr
         for i, conv, what in b.scalars:
             values[i] = conv(args[i], what)
+        if (_get_device or _init_device())() != dev:
+            return None
+        if stream is not None:
+            s = _launch.resolve_stream(stream)
+        elif b.torch:
+            s = (_torch_raw or _init_torch())(dev)
+        else:
+            s = (_cupy_current or _init_cupy())().ptr
     except Exception:  # noqa: BLE001 - anything odd: the full path checks and explains
         return None
-    return values, dev
+    return values, dev, s
+
+
+# --------------------------------------------------------------------------------------------
+# the runtime, looked up once (as cupylab.ops._fast does; tests with a simulated runtime set
+# these to its functions)
+_get_device = None        # () -> the current device (cupy.cuda.runtime.getDevice)
+_torch_raw = None         # (device) -> torch's current stream handle on it
+_torch_empty_like = None  # torch.empty_like
+_cupy_current = None      # () -> CuPy's current stream object (.ptr is the handle)
+_cupy_ndarray = None      # cupy.ndarray: what cupy.empty(shape, dtype) calls
+
+
+def _init_device():
+    global _get_device
+    _get_device = _runtime.cupy().cuda.runtime.getDevice
+    return _get_device
+
+
+def _init_torch():
+    global _torch_raw, _torch_empty_like
+    torch = sys.modules["torch"]
+    _torch_empty_like = torch.empty_like
+    _torch_raw = torch._C._cuda_getCurrentRawStream
+    return _torch_raw
+
+
+def _init_cupy():
+    global _cupy_current, _cupy_ndarray
+    cp = _runtime.cupy()
+    _cupy_ndarray = cp.ndarray
+    _cupy_current = cp.cuda.get_current_stream
+    return _cupy_current
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,7 +201,8 @@ class EwPattern:
         self._ek = ek
         self._arrays = arrays    # ((operand position, parameter index), ...)
         self._scalars = scalars  # ((operand position, parameter index), ...)
-        self._dtypes = {}        # framework dtype -> (kernel, values template, scalar convs)
+        self._dtypes = {}        # framework dtype -> (launch kernel, parameter count,
+        #                          scalar converters, most elements)
         self.call = self._torch if fw is _arrays._from_torch else self._cupy
 
     @classmethod
@@ -191,21 +230,14 @@ class EwPattern:
         dtype."""
         ek = self._ek
         ps = kernel.signature.params
-        size = ps[ek._size]
         convs = tuple((j, i, ps[i].convert, ps[i].what) for j, i in self._scalars)
-        self._dtypes[args[self._arrays[0][0]].dtype] = (kernel, ek._nparams, convs, size.convert,
-                                                        size.what)
+        # the element count must fit the size parameter's C type, and the grid CUDA's limit
+        most = min(ps[ek._size].convert.range[1], ek._max_n)
+        self._dtypes[args[self._arrays[0][0]].dtype] = (kernel._k, ek._nparams, convs, most)
 
-    def _common(self, info, values, args, n, dev, stream, kind):
-        """Scalars, the size, the stream; then launch. Returns the stream, or MISS."""
-        k, _, convs, size_conv, size_what = info
-        for j, i, conv, what in convs:
-            values[i] = conv(args[j], what)
-        values[self._ek._size] = size_conv(n, size_what)
-        if stream is None:
-            return _launch.current_stream(kind, dev)
-        return _launch.resolve_stream(stream)
-
+    # _torch and _cupy have the same shape; each reads its framework's attributes inline (a
+    # shared per-operand helper would cost a call per operand, as in cupylab.ops._fast).
+    # ``out`` comes first so that the operand loop can refuse partial overlap with it.
     def _torch(self, args, out, stream):
         ek = self._ek
         try:
@@ -214,41 +246,43 @@ class EwPattern:
             info = self._dtypes.get(fdt)
             if info is None or not x.is_cuda:
                 return MISS
+            n = x.numel()
+            if not 0 < n <= info[3]:
+                return MISS
             shape = x.shape
             dev = x.get_device()
-            values = [0] * info[1]
-            n = x.numel()
-            if not n:
+            if (_get_device or _init_device())() != dev:
                 return MISS
+            raw = _torch_raw or _init_torch()
+            if out is None:
+                s = raw(dev)
+                if stream is not None and _launch.resolve_stream(stream) != s:
+                    return MISS  # the full path records the allocation on that stream
+                o = _torch_empty_like(x)
+                nb = 0  # a new tensor overlaps nothing
+            else:
+                s = raw(dev) if stream is None else _launch.resolve_stream(stream)
+                if (out.dtype is not fdt or out.requires_grad or not out.is_contiguous()
+                        or out.is_neg() or not out.is_cuda or out.get_device() != dev
+                        or out.shape != shape):
+                    return MISS
+                o = out
+                nb = n * x.element_size()
+            optr = o.data_ptr()
+            values = _values(info, args, n, ek, optr)
             for j, i in self._arrays:
                 a = args[j]
                 if (a.requires_grad or not a.is_contiguous() or a.is_neg() or (a is not x and (
                         a.dtype is not fdt or not a.is_cuda or a.get_device() != dev
                         or a.shape != shape))):
                     return MISS
-                values[i] = a.data_ptr()
-            if _runtime.current_device() != dev:
-                return MISS
-            s = self._common(info, values, args, n, dev, stream, "torch")
-            if out is None:
-                if stream is not None and s != _launch.current_stream("torch", dev):
-                    return MISS  # the full path records the allocation on the stream
-                o = sys.modules["torch"].empty_like(x)
-            else:
-                if (out.dtype is not fdt or out.requires_grad or not out.is_contiguous()
-                        or out.is_neg() or not out.is_cuda or out.get_device() != dev
-                        or out.shape != shape):
-                    return MISS
-                o = out
-            optr = o.data_ptr()
-            if not _fits(values, self._arrays, optr, n * x.element_size()):
-                return MISS
-            values[ek._out] = optr
-            if n > ek._max_n:
-                return MISS
+                p = a.data_ptr()
+                if p != optr and -nb < p - optr < nb:
+                    return MISS  # partial overlap with out: the full path refuses it
+                values[i] = p
         except Exception:  # noqa: BLE001 - the full path checks and explains
             return MISS
-        info[0]._k.launch(dev, -(-n // ek.block), ek.block, s, values)
+        info[0].launch(dev, -(-n // ek.block), ek.block, s, values)
         return o
 
     def _cupy(self, args, out, stream):
@@ -259,47 +293,49 @@ class EwPattern:
             info = self._dtypes.get(fdt)
             if info is None:
                 return MISS
-            shape = x.shape
             n = x.size
-            if not n:
+            if not 0 < n <= info[3]:
                 return MISS
+            shape = x.shape
             dev = x.data.device_id
-            values = [0] * info[1]
-            for j, i in self._arrays:
-                a = args[j]
-                if a.dtype is not fdt or a.shape != shape or not a._c_contiguous:
-                    return MISS
-                m = a.data
-                if m.device_id != dev:
-                    return MISS
-                values[i] = m.ptr
-            if _runtime.current_device() != dev:
+            if (_get_device or _init_device())() != dev:
                 return MISS
-            s = self._common(info, values, args, n, dev, stream, "cupy")
+            cur = _cupy_current or _init_cupy()
+            s = cur().ptr if stream is None else _launch.resolve_stream(stream)
             if out is None:
-                o = _runtime.cupy().ndarray(shape, fdt)
+                o = _cupy_ndarray(shape, fdt)
+                nb = 0  # a new array overlaps nothing
             else:
-                if out.dtype is not fdt or out.shape != shape or not out._c_contiguous:
+                d = out.dtype
+                if ((d is not fdt and d != fdt) or out.shape != shape or not out._c_contiguous
+                        or out.data.device_id != dev):
                     return MISS
                 o = out
-            m = o.data
-            optr = m.ptr
-            if m.device_id != dev or not _fits(values, self._arrays, optr, n * fdt.itemsize):
-                return MISS
-            values[ek._out] = optr
-            if n > ek._max_n:
-                return MISS
+                nb = n * fdt.itemsize
+            optr = o.data.ptr
+            values = _values(info, args, n, ek, optr)
+            for j, i in self._arrays:
+                a = args[j]
+                d = a.dtype
+                if (d is not fdt and d != fdt) or a.shape != shape or not a._c_contiguous:
+                    return MISS
+                m = a.data
+                p = m.ptr
+                if m.device_id != dev or (p != optr and -nb < p - optr < nb):
+                    return MISS
+                values[i] = p
         except Exception:  # noqa: BLE001 - the full path checks and explains
             return MISS
-        info[0]._k.launch(dev, -(-n // ek.block), ek.block, s, values)
+        info[0].launch(dev, -(-n // ek.block), ek.block, s, values)
         return o
 
 
-def _fits(values, arrays, optr, nbytes):
-    """``out`` at ``optr`` is either exactly an input or shares no byte with any (all are
-    C-contiguous ``nbytes`` long): the full path refuses partial overlap."""
-    for _, i in arrays:
-        p = values[i]
-        if p != optr and -nbytes < p - optr < nbytes:
-            return False
-    return True
+def _values(info, args, n, ek, optr):
+    """The launch values of an elementwise call with the output pointer, the scalars and the
+    size filled in (the array operands' pointers follow)."""
+    values = [0] * info[1]
+    values[ek._out] = optr
+    for j, i, conv, what in info[2]:
+        values[i] = conv(args[j], what)
+    values[ek._size] = n
+    return values

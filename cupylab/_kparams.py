@@ -126,12 +126,19 @@ def _make_int_conv(ctype, fmt, signed):
                 f"{what}: {v} does not fit the C type {ctype} (range [{lo}, {hi}])")
         return slow(v, what)
 
+    conv.range = (lo, hi)
     return conv
+
+
+#: Doubles below this magnitude round to a finite float32 (2**128 less half a float32 ulp at
+#: the top: from there on, round-to-nearest-even gives inf).
+_F32_FINITE = 2.0**128 - 2.0**103
 
 
 def _make_float_conv(ctype, dt):
     name = dt.name
     inf_bits = {"float16": (0x7C00, 0xFC00), "bfloat16": (0x7F80, 0xFF80)}.get(name)
+    f32 = name == "float32"
 
     def real(v, what):
         v = _host_scalar(v, what, ctype)
@@ -144,6 +151,8 @@ def _make_float_conv(ctype, dt):
 
     def conv(v, what):
         t = type(v)
+        if t is float and f32 and -_F32_FINITE < v < _F32_FINITE:
+            return v  # packed as "f", which rounds it exactly as scalar_bits would
         if t is not float and t is not int:
             v = real(v, what)
         try:

@@ -130,7 +130,9 @@ def sim(monkeypatch):
     arguments packed as the real launch packs them), not run."""
     from contextlib import nullcontext
 
-    from cupylab import _launch, _runtime
+    import types
+
+    from cupylab import _kfast, _launch, _runtime
 
     rec = {"launches": [], "waits": []}
     monkeypatch.setattr(_runtime, "pointer_device", lambda ptr: 0)
@@ -139,6 +141,11 @@ def sim(monkeypatch):
     monkeypatch.setattr(_launch, "ensure_device", lambda d: nullcontext())
     monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0x5700)
     monkeypatch.setattr(_launch, "wait_for", lambda c, p, d: rec["waits"].append((c, p)))
+    # the lean launch path's own runtime lookups, routed through the patched functions
+    monkeypatch.setattr(_kfast, "_get_device", lambda: _runtime.current_device())
+    monkeypatch.setattr(_kfast, "_torch_raw", lambda d: _launch.current_stream("torch", d))
+    monkeypatch.setattr(_kfast, "_cupy_current", lambda: types.SimpleNamespace(
+        ptr=_launch.current_stream("cupy", _runtime.current_device())))
 
     def launch(self, device, grid, block, stream, args, shared_mem=0, grid_yz=(1, 1),
                block_yz=(1, 1)):

@@ -14,7 +14,8 @@ import types
 import numpy as np
 import pytest
 
-from cupylab import _arrays, _dtypes, _elementwise_core, _kmodule, _launch, _runtime
+from cupylab import (_arrays, _dtypes, _elementwise_core, _kfast, _kmodule, _launch,
+                     _runtime)
 from cupylab.kernels import ElementwiseKernel, Kernel, load_kernels
 
 from conftest import FakeCAI
@@ -146,6 +147,8 @@ def fw(monkeypatch, sim):
     monkeypatch.setattr(_elementwise_core, "_torch_dt", {})
     monkeypatch.setattr(_elementwise_core, "_torch_dev", {})
     monkeypatch.setattr(_runtime, "cupy", lambda: cupy)
+    monkeypatch.setattr(_kfast, "_torch_empty_like", torch.empty_like)
+    monkeypatch.setattr(_kfast, "_cupy_ndarray", ndarray)
     monkeypatch.setattr(_launch, "current_stream",
                         lambda kind, d: (TORCH_STREAM if kind == "torch" else CUPY_STREAM) + d)
     f.torch, f.cupy, f.t, f.c, f.launches = torch, cupy, Tensor, ndarray, sim["launches"]
@@ -410,3 +413,20 @@ def test_elementwise_size_guard_and_streams(fw):
     assert fw.full == full + 2 and fw.launches[-1]["stream"] == 0x42
     addf(a, a, out=a, stream=0x42)
     assert fw.full == full + 2
+
+
+def test_equal_numpy_dtypes_need_not_be_the_same_object(fw):
+    k = mod()["vadd"]
+    e = ElementwiseKernel(mod()["addf"])
+    x, o = fw.c(), fw.c()
+    twice(fw, lambda: k.launch_1d(8, x, x, o, 8))
+    twice(fw, lambda: e(x, x, out=o))
+    full = fw.full
+    y = fw.c()
+    y.dtype = np.dtype("f4", metadata={"tag": 1})  # equal to float32, another object
+    assert y.dtype is not x.dtype and y.dtype == x.dtype
+    k.launch_1d(8, x, y, o, 8)
+    assert fw.launches[-1]["args"][1] == y.data.ptr
+    e(x, y, out=o)
+    assert fw.launches[-1]["args"][1] == y.data.ptr
+    assert fw.full == full
