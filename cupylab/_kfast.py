@@ -221,7 +221,7 @@ class EwPattern:
                 return None
             fw = f
             arrays.append((j, i))
-        if out is not None and _arrays.framework_of(out) is not fw:
+        if fw is None or (out is not None and _arrays.framework_of(out) is not fw):
             return None
         return cls(ek, tuple(arrays), tuple(scalars), fw)
 
