@@ -9,7 +9,6 @@ from ._kmodule import KernelModule
 __all__ = ["ElementwiseKernel", "C_TYPE_NAMES"]
 
 
-_UNSEEN = object()
 #: C spellings substituted for ``{T}`` in :class:`ElementwiseKernel` name patterns.
 C_TYPE_NAMES = {
     "float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double",
@@ -94,7 +93,8 @@ class ElementwiseKernel:
             raise ValueError(f"ElementwiseKernel takes a 1-D block (got {block!r})")
         self.block = b[0]
         self._max_n = _MAX_GRID_X * self.block  # more elements need more blocks than CUDA has
-        self._lean = {}  # (type(out), operand types...) -> _kfast.EwPattern, or None
+        self._lean = {}  # type of the array operands -> _kfast.EwPattern
+        self._lean_call = None  # the pattern used last: tried first
         params = proto.signature.params
         self.name = (self._pattern or proto.name).replace("<{T}>", "").replace("{T}", "")
         self._out = self._find(params, out, "out", lambda p: p.pointer and not p.const,
@@ -183,18 +183,27 @@ class ElementwiseKernel:
         OverflowError
             A scalar, or the element count, out of range for its C type.
         """
-        key = (type(out), *map(type, args))
-        pat = self._lean.get(key, _UNSEEN)
-        if pat is not _UNSEEN and pat is not None:
-            r = pat.call(args, out, stream)
+        call = self._lean_call
+        if call is not None:
+            r = call(args, out, stream)  # the lean path: cupylab._kfast
             if r is not _kfast.MISS:
                 return r
         r, k = self._call_checked(args, out, stream)
-        if pat is _UNSEEN:
-            pat = self._lean[key] = _kfast.EwPattern.make(self, args, out)
-        if pat is not None and k is not None:
-            pat.learn(k, args)
+        if k is not None:
+            self._learn(k, args, out)
         return r
+
+    def _learn(self, k, args, out):
+        """After a full-path call that launched ``k``: keep the lean pattern of ``args``."""
+        tp = type(args[self._ptr.index(True)])
+        pat = self._lean.get(tp)
+        if pat is None:
+            pat = _kfast.EwPattern.make(self, args, out)
+            if pat is None:
+                return
+            self._lean[tp] = pat
+        pat.learn(k, args)
+        self._lean_call = pat.call
 
     def _call_checked(self, args, out, stream):
         """The full path (:func:`cupylab._elementwise_core.prepare_call` and every check);

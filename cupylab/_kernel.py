@@ -103,7 +103,8 @@ class Kernel:
     module : KernelModule
     """
 
-    __slots__ = ("name", "signature", "module", "_k", "_params", "_n", "_smem_set", "_binders")
+    __slots__ = ("name", "signature", "module", "_k", "_params", "_n", "_smem_set", "_binders",
+                 "_bound")
 
     def __init__(self, module, name_expression, signature, program):
         self.name = name_expression
@@ -113,7 +114,8 @@ class Kernel:
         self._n = len(self._params)
         self._k = _launch.Kernel(program, name_expression, signature.formats)
         self._smem_set = {}
-        self._binders = {}  # tuple of argument types -> _kfast.Binder, or None: full path
+        self._binders = {}  # tuple of argument types -> binder (cupylab._kfast), or None
+        self._bound = None  # the binder used last: tried first, before the types are looked up
 
     def __repr__(self):
         return f"<cupylab.Kernel {self.signature}>"
@@ -216,6 +218,14 @@ class Kernel:
         cupylab.CompileError
             On the first launch, when NVRTC rejects the source.
         """
+        bound = self._bound
+        if (bound is not None and type(grid) is int and 0 < grid <= _MAX_GRID_X
+                and type(block) is int and 0 < block <= _MAX_BLOCK and type(shared_mem) is int
+                and 0 <= shared_mem <= _SMEM_DEFAULT_MAX):
+            r = bound(args, stream)  # the lean path: cupylab._kfast
+            if r is not None:
+                self._k.launch(r[1], grid, block, r[2], r[0], shared_mem)
+                return
         g = (grid, 1, 1) if type(grid) is int and 0 < grid <= _MAX_GRID_X else _grid(grid)
         b = (block, 1, 1) if type(block) is int and 0 < block <= _MAX_BLOCK else _block(block)
         if type(shared_mem) is not int or shared_mem < 0:
@@ -246,6 +256,17 @@ class Kernel:
         ------
         Same as :meth:`__call__`; ``ValueError`` for a negative ``n``.
         """
+        bound = self._bound
+        if (bound is not None and type(n) is int and n > 0 and type(block) is int
+                and 0 < block <= _MAX_BLOCK and type(shared_mem) is int
+                and 0 <= shared_mem <= _SMEM_DEFAULT_MAX):
+            r = bound(args, stream)  # the lean path: cupylab._kfast
+            if r is not None:
+                d = r[1]
+                grid = min(-(-n // block), _runtime.device_info(d).sm_count * BLOCKS_PER_SM_1D,
+                           _MAX_GRID_X)
+                self._k.launch(d, grid, block, r[2], r[0], shared_mem)
+                return
         if type(n) is not int or n < 0:
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
                 raise ValueError(f"{self.name}: n must be a non-negative int (got {n!r})")
@@ -265,17 +286,21 @@ class Kernel:
         binder = self._binders.get(key, _UNSEEN)
         if binder is _UNSEEN:
             self._launch_checked(args, grid, block, smem, stream, n1d)
-            self._binders[key] = _kfast.make_binder(self._params, args)
+            binder = self._binders[key] = _kfast.make_binder(self._params, args)
+            if binder is not None:
+                self._bound = binder
         elif binder is None or not self._launch_bound(binder, args, grid, block, smem, stream,
                                                       n1d):
             self._launch_checked(args, grid, block, smem, stream, n1d)
+        else:
+            self._bound = binder
 
     def _launch_bound(self, binder, args, grid, block, smem, stream, n1d):
         """The lean path (:mod:`cupylab._kfast`): launch with a binder of this argument
         pattern and return True, or return False, having done nothing, for the full path."""
         if n1d == 0 or (n1d is None and 0 in grid):
             return False  # the full path checks, and launches nothing
-        r = _kfast.bind(binder, args, stream)
+        r = binder(args, stream)
         if r is None:
             return False
         values, device, s = r

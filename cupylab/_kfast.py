@@ -5,30 +5,31 @@ adapter of each array, a :class:`cupylab._arrays.View` with shape and strides, d
 the pointee, read-only against ``const``, device and stream. Most of that depends only on the
 argument *pattern* — the type of each argument, the dtype of each array, the parameter's
 constness — not on the values. So after a launch through the full path succeeds, the kernel
-keeps a :class:`Binder` for the pattern, keyed on the tuple of argument types. A binder holds,
-per parameter, the few reads that cannot be cached:
+keeps a *binder* for the pattern (:func:`make_binder`), keyed on the tuple of argument types
+and tried first while the pattern repeats. A binder is a function compiled for the pattern;
+per parameter it does only the reads that cannot be cached:
 
-* torch tensor: dtype identity (the one the full path accepted, or any supported dtype for
-  ``void*``/``char*``), ``is_cuda``, ``requires_grad``, ``layout``, ``is_neg()`` (and
+* torch tensor: type and dtype identity (the dtype the full path accepted, or any supported
+  one for ``void*``/``char*``), ``is_cuda``, ``requires_grad``, ``layout``, ``is_neg()`` (and
   ``is_conj()`` where the dtype may be complex), ``get_device()`` and ``data_ptr()``;
-* CuPy array: dtype identity, contiguity (else the byte strides are checked as
+* CuPy array: type, dtype, contiguity (else the byte strides are checked as
   :func:`cupylab._arrays._from_cupy` does), ``data.device_id`` and ``data.ptr``;
-* scalar: the parameter's converter (range checks included); ``None`` and ``int`` addresses
-  for pointers.
+* scalar: the parameter's converter (range checks included; an ``int`` for an integer
+  parameter is range-checked inline); ``None`` and ``int`` addresses for pointers.
 
-The kernel then checks that every array is on one device, that it is the current one, and
-looks the caller's stream up (torch's when a tensor is among the arguments, else CuPy's),
-exactly as the full path does. Other producers (JAX, Numba, CAI, DLPack) are never bound this
-way: their import needs the launch stream or a pointer lookup per call. Any surprise — a
-different dtype, a CPU tensor, a tensor that requires grad, arrays on two devices, another
-current device, an empty launch — makes :func:`bind` return ``None`` and the caller takes the
-full path, which raises the documented errors. Nothing here raises.
+It then checks that every array is on one device, that it is the current one, and looks the
+caller's stream up (torch's when a tensor is among the arguments, else CuPy's), as the full
+path does. Other producers (JAX, Numba, CAI, DLPack) are never bound this way: their import
+needs the launch stream or a pointer lookup per call. Any surprise — a different type or
+dtype, a CPU tensor, a tensor that requires grad, arrays on two devices, another current
+device, an out-of-range scalar — makes the binder return ``None`` and the caller takes the full
+path, which raises the documented errors. Nothing here raises.
 
 :class:`EwPattern` does the same for :class:`cupylab.kernels.ElementwiseKernel` calls whose
-array operands (and ``out``) are all torch tensors or all CuPy arrays: per pattern and dtype it
-keeps the kernel instance and the scalar converters, and per call reads what
-:mod:`cupylab.ops._fast` reads for the operators (dtype, shape, contiguity, device, grad/neg
-flags, pointers), allocates the output like the full path and launches.
+array operands (and ``out``) are all torch tensors or all CuPy arrays: per dtype it keeps the
+kernel instance and the scalar converters, and per call reads what :mod:`cupylab.ops._fast`
+reads for the operators (dtype, shape, contiguity, device, grad/neg flags, pointers),
+allocates the output like the full path and launches.
 """
 from __future__ import annotations
 
@@ -36,120 +37,96 @@ import sys
 
 from . import _arrays, _launch, _runtime
 
-__all__ = ["Binder", "make_binder", "bind", "EwPattern", "MISS"]
+__all__ = ["make_binder", "EwPattern", "MISS"]
 
 MISS = object()
 _ADDR_END = 1 << 64
 
 
-def _addr(a, what):
-    """An ``int`` device address for a pointer parameter (the full path explains errors)."""
-    if 0 <= a < _ADDR_END:
-        return a
-    raise OverflowError(what)
-
-
-class Binder:
-    """The per-parameter readers of one argument pattern of one kernel.
-
-    Attributes
-    ----------
-    n : int
-        Number of parameters.
-    torch : tuple of (index, dtype or None, accepted dtypes, may be complex)
-        Pointer parameters given a torch tensor. ``dtype`` is the framework dtype the full
-        path accepted (``None``: any dtype in ``accepted``, for untyped pointers).
-    cupy : tuple of (index, dtype or None, accepted dtypes)
-        The same for CuPy arrays.
-    scalars : tuple of (index, converter, what)
-        Scalar parameters (and ``int`` addresses for pointers): ``converter(value, what)``.
-    """
-
-    __slots__ = ("n", "torch", "cupy", "scalars")
-
-
 def make_binder(params, args):
-    """The :class:`Binder` for ``args``, which a full-path launch has just accepted, or
-    ``None`` when the pattern is not one this path binds (JAX, Numba, CAI, DLPack arrays,
-    host values that are no ``int`` address)."""
-    torch, cupy, scalars = [], [], []
+    """The binder of the pattern of ``args``, which a full-path launch has just accepted: a
+    function ``bind(args, stream)`` that returns ``(values, device, stream handle)`` for a
+    launch of ``args``, or ``None`` to take the full path. ``None`` instead of a binder when
+    the pattern is not one this path binds (JAX, Numba, CAI, DLPack arrays; no array at all).
+
+    The binder is compiled for the pattern: straight-line code with one block per parameter
+    (no loop, no call per array), the pattern's types, dtypes and converters bound as
+    constants. Its source is made of identifiers and numbers only; every value (types,
+    dtypes, converters, message prefixes) is passed in its namespace.
+    """
+    env = {"_k": sys.modules[__name__], "_launch": _launch, "S": _arrays._torch_strided}
+    body, values, devices, torch_seen = [], [], [], False
     for p, a in zip(params, args):
+        i, v = p.index, f"a{p.index}"
         if not p.pointer:
-            scalars.append((p.index, p.convert, p.what))
+            env[f"C{i}"], env[f"H{i}"] = p.convert, p.what
+            rng = getattr(p.convert, "range", None)
+            if rng is not None and type(a) is int:  # the usual int for an int: inline
+                body.append(f"v{i} = {v} if type({v}) is int and {rng[0]} <= {v} <= {rng[1]} "
+                            f"else C{i}({v}, H{i})")
+            else:
+                body.append(f"v{i} = C{i}({v}, H{i})")
+            values.append(f"v{i}")
             continue
         if a is None:
-            continue  # values start as 0: nullptr
+            body.append(f"if {v} is not None: return None")
+            values.append("0")
+            continue
         if type(a) is int:
-            scalars.append((p.index, _addr, p.what))
+            body.append(f"if type({v}) is not int or not 0 <= {v} < {_ADDR_END}: return None")
+            values.append(v)
             continue
         fn = _arrays.framework_of(a)
+        if fn is not _arrays._from_torch and fn is not _arrays._from_cupy:
+            return None
+        env[f"T{i}"] = type(a)
+        if p.dtype is not None:
+            env[f"W{i}"] = a.dtype
         if fn is _arrays._from_torch:
-            torch.append((p.index, a.dtype if p.dtype is not None else None,
-                          _arrays._torch_dtypes, p.dtype is None or p.dtype.kind == "c"))
-        elif fn is _arrays._from_cupy:
-            cupy.append((p.index, a.dtype if p.dtype is not None else None, _arrays._np_dtypes))
+            torch_seen = True
+            env[f"A{i}"] = _arrays._torch_dtypes
+            dt = f"{v}.dtype is not W{i}" if p.dtype is not None else f"{v}.dtype not in A{i}"
+            conj = f" or {v}.is_conj()" if p.dtype is None or p.dtype.kind == "c" else ""
+            body += [f"if (type({v}) is not T{i} or {dt} or not {v}.is_cuda or {v}.requires_grad",
+                     f"        or {v}.layout is not S or {v}.is_neg(){conj}):",
+                     "    return None",
+                     f"d{i} = {v}.get_device()",
+                     f"v{i} = {v}.data_ptr()"]
         else:
-            return None
-    if not torch and not cupy:
+            env[f"A{i}"] = _arrays._np_dtypes  # NumPy dtypes: equal ones need not be identical
+            dt = f"t is not W{i} and t != W{i}" if p.dtype is not None else f"t not in A{i}"
+            body += [f"if type({v}) is not T{i}:",
+                     "    return None",
+                     f"t = {v}.dtype",
+                     f"if {dt}:",
+                     "    return None",
+                     f"if not {v}._c_contiguous and any(b % t.itemsize for b in {v}.strides):",
+                     "    return None",
+                     f"m = {v}.data",
+                     f"d{i} = m.device_id",
+                     f"v{i} = m.ptr"]
+        values.append(f"v{i}")
+        devices.append(f"d{i}")
+    if not devices:
         return None  # no array: the full path picks the current device
-    b = Binder()
-    b.n = len(params)
-    b.torch, b.cupy, b.scalars = tuple(torch), tuple(cupy), tuple(scalars)
-    return b
-
-
-def bind(b, args, stream):
-    """``(values, device, stream handle)`` for a launch of ``args`` with binder ``b``, or
-    ``None`` to take the full path: ``values`` are ready for
-    :meth:`cupylab._launch.Kernel.launch`, every array is on ``device``, which is current,
-    and the stream is ``stream`` resolved or the caller's current one."""
-    values = [0] * b.n
-    dev = -1
-    try:
-        if b.torch:
-            strided = _arrays._torch_strided
-            for i, want, ok, cplx in b.torch:
-                t = args[i]
-                d = t.dtype
-                if ((d is not want and (want is not None or d not in ok)) or not t.is_cuda
-                        or t.requires_grad or t.layout is not strided or t.is_neg()
-                        or (cplx and t.is_conj())):
-                    return None
-                g = t.get_device()
-                if g != dev:
-                    if dev >= 0:
-                        return None
-                    dev = g
-                values[i] = t.data_ptr()
-        for i, want, ok in b.cupy:
-            a = args[i]
-            d = a.dtype  # NumPy dtypes: equal ones need not be the same object
-            if d is not want and (d not in ok if want is None else d != want):
-                return None
-            if not a._c_contiguous:
-                isz = d.itemsize
-                if any(s % isz for s in a.strides):
-                    return None
-            m = a.data
-            g = m.device_id
-            if g != dev:
-                if dev >= 0:
-                    return None
-                dev = g
-            values[i] = m.ptr
-        for i, conv, what in b.scalars:
-            values[i] = conv(args[i], what)
-        if (_get_device or _init_device())() != dev:
-            return None
-        if stream is not None:
-            s = _launch.resolve_stream(stream)
-        elif b.torch:
-            s = (_torch_raw or _init_torch())(dev)
-        else:
-            s = (_cupy_current or _init_cupy())().ptr
-    except Exception:  # noqa: BLE001 - anything odd: the full path checks and explains
-        return None
-    return values, dev, s
+    d0 = devices[0]
+    if len(devices) > 1:
+        body += [f"if {' or '.join(f'{d} != {d0}' for d in devices[1:])}:", "    return None"]
+    body += [f"if (_k._get_device or _k._init_device())() != {d0}:",
+             "    return None",
+             "if stream is not None:",
+             "    s = _launch.resolve_stream(stream)",
+             "else:",  # torch's current stream when a tensor is among the arguments
+             f"    s = (_k._torch_raw or _k._init_torch())({d0})" if torch_seen else
+             "    s = (_k._cupy_current or _k._init_cupy())().ptr",
+             f"return ({', '.join(values)},), {d0}, s"]
+    src = ("def bind(args, stream):\n    try:\n"
+           f"        {''.join(f'a{p.index}, ' for p in params)}= args\n"
+           + "".join(f"        {line}\n" for line in body)
+           + "    except Exception:  # anything odd: the full path checks and explains\n"
+           + "        return None\n")
+    exec(compile(src, "<cupylab._kfast binder>", "exec"), env)  # noqa: S102 - see docstring
+    return env["bind"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,155 +164,132 @@ def _init_cupy():
 # --------------------------------------------------------------------------------------------
 # ElementwiseKernel
 class EwPattern:
-    """One argument pattern of an :class:`~cupylab.kernels.ElementwiseKernel`: which operands
-    are arrays (all torch tensors or all CuPy arrays, ``out`` too when given) and, per
-    framework dtype seen, the kernel instance and scalar converters.
+    """The lean calls of an :class:`~cupylab.kernels.ElementwiseKernel` whose array operands
+    (and ``out``, when given) are all of one type, torch ``Tensor`` or CuPy ``ndarray``:
+    which operands are arrays is fixed by the kernel's signature, so one pattern per type.
 
     ``pattern.call(args, out, stream)`` returns the result, or :data:`MISS` to take the full
-    path.
+    path. It is compiled like :func:`make_binder`'s binders; per framework dtype the full path
+    has accepted, :meth:`learn` keeps the kernel instance, the scalar converters and the
+    largest element count.
     """
 
-    __slots__ = ("_ek", "_arrays", "_scalars", "_dtypes", "call")
+    __slots__ = ("_ek", "_torch", "_dtypes", "call")
 
-    def __init__(self, ek, arrays, scalars, fw):
-        self._ek = ek
-        self._arrays = arrays    # ((operand position, parameter index), ...)
-        self._scalars = scalars  # ((operand position, parameter index), ...)
-        self._dtypes = {}        # framework dtype -> (launch kernel, parameter count,
-        #                          scalar converters, most elements)
-        self.call = self._torch if fw is _arrays._from_torch else self._cupy
+    def __init__(self, ek, tp, torch):
+        self._ek, self._torch = ek, torch
+        self._dtypes = {}  # framework dtype -> (launch kernel, converters, whats, most, itemsize)
+        env = {"TT": tp, "D": self._dtypes, "MISS": MISS, "_k": sys.modules[__name__],
+               "_launch": _launch, "B": ek.block}
+        exec(compile(_ew_source(ek, torch), "<cupylab._kfast elementwise>", "exec"), env)  # noqa: S102
+        self.call = env["call"]
 
     @classmethod
     def make(cls, ek, args, out):
         """The pattern of ``args``/``out`` (which the full path has just accepted) or ``None``
         when it is not one this path handles."""
-        arrays, scalars, fw = [], [], None
-        for j, a in enumerate(args):
-            i = ek._operands[j]
-            if not ek._ptr[j]:
-                scalars.append((j, i))
-                continue
-            f = _arrays.framework_of(a)
-            if f is not _arrays._from_torch and f is not _arrays._from_cupy or (
-                    fw is not None and f is not fw):
-                return None
-            fw = f
-            arrays.append((j, i))
-        if fw is None or (out is not None and _arrays.framework_of(out) is not fw):
+        tps = {type(a) for j, a in enumerate(args) if ek._ptr[j]}
+        if out is not None:
+            tps.add(type(out))
+        if len(tps) != 1:
             return None
-        return cls(ek, tuple(arrays), tuple(scalars), fw)
+        tp = tps.pop()
+        fw = _arrays.framework_of(args[ek._ptr.index(True)])
+        if fw is not _arrays._from_torch and fw is not _arrays._from_cupy:
+            return None
+        return cls(ek, tp, fw is _arrays._from_torch)
 
     def learn(self, kernel, args):
-        """Remember ``kernel`` (the instance the full path chose) for the first array's
-        dtype."""
+        """Remember ``kernel`` (the instance the full path chose) for the arrays' dtype."""
         ek = self._ek
         ps = kernel.signature.params
-        convs = tuple((j, i, ps[i].convert, ps[i].what) for j, i in self._scalars)
+        scal = [ek._operands[j] for j in range(len(args)) if not ek._ptr[j]]
         # the element count must fit the size parameter's C type, and the grid CUDA's limit
         most = min(ps[ek._size].convert.range[1], ek._max_n)
-        self._dtypes[args[self._arrays[0][0]].dtype] = (kernel._k, ek._nparams, convs, most)
-
-    # _torch and _cupy have the same shape; each reads its framework's attributes inline (a
-    # shared per-operand helper would cost a call per operand, as in cupylab.ops._fast).
-    # ``out`` comes first so that the operand loop can refuse partial overlap with it.
-    def _torch(self, args, out, stream):
-        ek = self._ek
-        try:
-            x = args[self._arrays[0][0]]
-            fdt = x.dtype
-            info = self._dtypes.get(fdt)
-            if info is None or not x.is_cuda:
-                return MISS
-            n = x.numel()
-            if not 0 < n <= info[3]:
-                return MISS
-            shape = x.shape
-            dev = x.get_device()
-            if (_get_device or _init_device())() != dev:
-                return MISS
-            raw = _torch_raw or _init_torch()
-            if out is None:
-                s = raw(dev)
-                if stream is not None and _launch.resolve_stream(stream) != s:
-                    return MISS  # the full path records the allocation on that stream
-                o = _torch_empty_like(x)
-                nb = 0  # a new tensor overlaps nothing
-            else:
-                s = raw(dev) if stream is None else _launch.resolve_stream(stream)
-                if (out.dtype is not fdt or out.requires_grad or not out.is_contiguous()
-                        or out.is_neg() or not out.is_cuda or out.get_device() != dev
-                        or out.shape != shape):
-                    return MISS
-                o = out
-                nb = n * x.element_size()
-            optr = o.data_ptr()
-            values = _values(info, args, n, ek, optr)
-            for j, i in self._arrays:
-                a = args[j]
-                if (a.requires_grad or not a.is_contiguous() or a.is_neg() or (a is not x and (
-                        a.dtype is not fdt or not a.is_cuda or a.get_device() != dev
-                        or a.shape != shape))):
-                    return MISS
-                p = a.data_ptr()
-                if p != optr and -nb < p - optr < nb:
-                    return MISS  # partial overlap with out: the full path refuses it
-                values[i] = p
-        except Exception:  # noqa: BLE001 - the full path checks and explains
-            return MISS
-        info[0].launch(dev, -(-n // ek.block), ek.block, s, values)
-        return o
-
-    def _cupy(self, args, out, stream):
-        ek = self._ek
-        try:
-            x = args[self._arrays[0][0]]
-            fdt = x.dtype
-            info = self._dtypes.get(fdt)
-            if info is None:
-                return MISS
-            n = x.size
-            if not 0 < n <= info[3]:
-                return MISS
-            shape = x.shape
-            dev = x.data.device_id
-            if (_get_device or _init_device())() != dev:
-                return MISS
-            cur = _cupy_current or _init_cupy()
-            s = cur().ptr if stream is None else _launch.resolve_stream(stream)
-            if out is None:
-                o = _cupy_ndarray(shape, fdt)
-                nb = 0  # a new array overlaps nothing
-            else:
-                d = out.dtype
-                if ((d is not fdt and d != fdt) or out.shape != shape or not out._c_contiguous
-                        or out.data.device_id != dev):
-                    return MISS
-                o = out
-                nb = n * fdt.itemsize
-            optr = o.data.ptr
-            values = _values(info, args, n, ek, optr)
-            for j, i in self._arrays:
-                a = args[j]
-                d = a.dtype
-                if (d is not fdt and d != fdt) or a.shape != shape or not a._c_contiguous:
-                    return MISS
-                m = a.data
-                p = m.ptr
-                if m.device_id != dev or (p != optr and -nb < p - optr < nb):
-                    return MISS
-                values[i] = p
-        except Exception:  # noqa: BLE001 - the full path checks and explains
-            return MISS
-        info[0].launch(dev, -(-n // ek.block), ek.block, s, values)
-        return o
+        x = args[ek._ptr.index(True)]
+        self._dtypes[x.dtype] = (kernel._k, tuple(ps[i].convert for i in scal),
+                                 tuple(ps[i].what for i in scal), most,
+                                 x.element_size() if self._torch else x.dtype.itemsize)
 
 
-def _values(info, args, n, ek, optr):
-    """The launch values of an elementwise call with the output pointer, the scalars and the
-    size filled in (the array operands' pointers follow)."""
-    values = [0] * info[1]
-    values[ek._out] = optr
-    for j, i, conv, what in info[2]:
-        values[i] = conv(args[j], what)
-    values[ek._size] = n
-    return values
+def _ew_source(ek, torch):
+    """The source of an :class:`EwPattern`'s ``call`` for ``ek``'s signature: the checks of
+    :mod:`cupylab.ops._fast` (dtype, shape, C-contiguity, device, grad/neg flags), ``out``
+    first so that every operand can refuse partial overlap with it, allocation like the full
+    path, then the launch."""
+    arrays = [j for j, p in enumerate(ek._ptr) if p]
+    scalars = [j for j, p in enumerate(ek._ptr) if not p]
+    x = f"a{arrays[0]}"
+    if torch:
+        same = ("(type({a}) is not TT or {a}.dtype is not fdt or {a}.requires_grad "
+                "or not {a}.is_contiguous() or {a}.is_neg() or not {a}.is_cuda "
+                "or {a}.get_device() != dev or {a}.shape != shape)")
+        head = [f"if type({x}) is not TT:", "    return MISS",
+                f"fdt = {x}.dtype",
+                "info = D.get(fdt)",
+                f"if info is None or not {x}.is_cuda:", "    return MISS",
+                f"n = {x}.numel()",
+                f"shape = {x}.shape",
+                f"dev = {x}.get_device()",
+                f"if {x}.requires_grad or not {x}.is_contiguous() or {x}.is_neg():",
+                "    return MISS"]
+        alloc = ["raw = _k._torch_raw or _k._init_torch()",
+                 "s = raw(dev)",
+                 "if stream is not None and _launch.resolve_stream(stream) != s:",
+                 "    return MISS",  # the full path records the allocation on that stream
+                 f"o = _k._torch_empty_like({x})"]
+        given = ["s = (_k._torch_raw or _k._init_torch())(dev) if stream is None else "
+                 "_launch.resolve_stream(stream)",
+                 f"if {same.format(a='out')}:", "    return MISS",
+                 "nb = n * info[4]"]
+        ptr = "p{j} = {a}.data_ptr()"
+        operand = [f"if {same}:", "    return MISS", ptr]
+        first = [ptr]
+    else:
+        same = ("(type({a}) is not TT or ((t := {a}.dtype) is not fdt and t != fdt) "
+                "or {a}.shape != shape or not {a}._c_contiguous)")
+        head = [f"if type({x}) is not TT or not {x}._c_contiguous:", "    return MISS",
+                f"fdt = {x}.dtype",
+                "info = D.get(fdt)",
+                "if info is None:", "    return MISS",
+                f"n = {x}.size",
+                f"shape = {x}.shape",
+                f"m = {x}.data",
+                "dev = m.device_id"]
+        alloc = ["s = (_k._cupy_current or _k._init_cupy())().ptr if stream is None else "
+                 "_launch.resolve_stream(stream)",
+                 "o = _k._cupy_ndarray(shape, fdt)"]
+        given = ["s = (_k._cupy_current or _k._init_cupy())().ptr if stream is None else "
+                 "_launch.resolve_stream(stream)",
+                 f"if {same.format(a='out')} or out.data.device_id != dev:", "    return MISS",
+                 "nb = n * info[4]"]
+        operand = [f"if {same}:", "    return MISS", "m = {a}.data",
+                   "if m.device_id != dev:", "    return MISS", "p{j} = m.ptr"]
+        first = ["p{j} = m.ptr"]
+    body = head + ["if not 0 < n <= info[3]:", "    return MISS",
+                   "if (_k._get_device or _k._init_device())() != dev:", "    return MISS",
+                   "if out is None:"] + [f"    {line}" for line in alloc + ["nb = 0"]]
+    body += ["else:"] + [f"    {line}" for line in given + ["o = out"]]
+    body += ["optr = o.data_ptr()" if torch else "optr = o.data.ptr"]
+    for j in arrays:
+        for line in first if j == arrays[0] else operand:
+            body.append(line.format(a=f"a{j}", j=j))
+        body += [f"if p{j} != optr and -nb < p{j} - optr < nb:", "    return MISS"]
+    for k, j in enumerate(scalars):
+        body.append(f"c{j} = info[1][{k}](a{j}, info[2][{k}])")
+    values = []
+    for i in range(ek._nparams):
+        if i == ek._out:
+            values.append("optr")
+        elif i == ek._size:
+            values.append("n")
+        else:
+            j = ek._operands.index(i)
+            values.append(f"p{j}" if ek._ptr[j] else f"c{j}")
+    return ("def call(args, out, stream):\n    try:\n"
+            f"        {''.join(f'a{j}, ' for j in range(len(ek._ptr)))}= args\n"
+            + "".join(f"        {line}\n" for line in body)
+            + "    except Exception:  # anything odd: the full path checks and explains\n"
+            + "        return MISS\n"
+            + f"    info[0].launch(dev, -(-n // B), B, s, ({', '.join(values)},))\n"
+            + "    return o\n")

@@ -536,7 +536,9 @@ def test_compile_user_source_to_cubin(cache):
         assert kind == "cubin" and binary[:4] == b"\x7fELF"
 
 
-def test_examples_compile(cache):
+def test_examples_compile(cache, monkeypatch):
+    # fresh modules: instances that earlier tests of this process asked for would be compiled too
+    monkeypatch.setattr(_kmodule, "_modules", {})
     for cc in (80, 90):
         assert load_kernels(EXAMPLES / "vector_add.cu").compile(cc=cc) == {
             "vector_add": "vector_add"}

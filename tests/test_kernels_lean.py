@@ -175,12 +175,12 @@ def packed(k, launch):
 
 
 def twice(fw, call):
-    """Run ``call`` twice: the first launch takes the full path, the second the binder."""
-    full = fw.full
+    """Run ``call`` twice: the second launch takes the lean path (the first one too when the
+    pattern is known already)."""
     call()
-    first = fw.launches[-1]
+    first, full = fw.launches[-1], fw.full
     call()
-    assert fw.full == full + 1, "the second launch did not use the binder"
+    assert fw.full == full, "the second launch did not take the lean path"
     return first, fw.launches[-1]
 
 
@@ -192,7 +192,7 @@ def test_binder_launches_what_the_full_path_launches(fw, kind):
     mk = {"torch": [fw.t] * 3, "cupy": [fw.c] * 3, "mixed": [fw.c, fw.t, fw.c]}[kind]
     x, y, o = (m() for m in mk)
     first, second = twice(fw, lambda: k.launch_1d(8, x, y, o, 8))
-    assert first == second
+    assert first == second and fw.full == 1  # the full path, then the binder
     assert packed(k, second) == k.pack(x, y, o, 8)
     assert second["stream"] == (CUPY_STREAM if kind == "cupy" else TORCH_STREAM)
     assert second["grid"] == (1, 1, 1) and second["block"] == (256, 1, 1)
@@ -344,7 +344,7 @@ def test_elementwise_lean_call_matches_the_full_path(fw, kind):
     mk = fw.t if kind == "torch" else fw.c
     a, b, out = mk((4, 50)), mk((4, 50)), mk((4, 50))
     first, second = twice(fw, lambda: e(a, b, 0.5, out=out))
-    assert first == second
+    assert first == second and fw.full == 1  # the full path, then the lean one
     assert second["name"] == "fam<float>" and second["grid"] == (2, 1, 1)
     ptr = (lambda v: v.data_ptr()) if kind == "torch" else (lambda v: v.data.ptr)
     assert second["args"][:3] == (ptr(out), ptr(a), ptr(b)) and second["args"][4] == 200
@@ -410,9 +410,7 @@ def test_elementwise_size_guard_and_streams(fw):
     assert fw.full == full + 1 and fw.recorded == [("ext", 0x42, 0)]
     assert fw.launches[-1]["stream"] == 0x42 and type(r) is fw.t
     addf(a, a, out=a, stream=0x42)  # writing into out= on another stream: lean
-    assert fw.full == full + 2 and fw.launches[-1]["stream"] == 0x42
-    addf(a, a, out=a, stream=0x42)
-    assert fw.full == full + 2
+    assert fw.full == full + 1 and fw.launches[-1]["stream"] == 0x42
 
 
 def test_equal_numpy_dtypes_need_not_be_the_same_object(fw):
@@ -430,3 +428,16 @@ def test_equal_numpy_dtypes_need_not_be_the_same_object(fw):
     e(x, y, out=o)
     assert fw.launches[-1]["args"][1] == y.data.ptr
     assert fw.full == full
+
+
+def test_cupy_dtype_checked_on_the_binder(fw):
+    k = mod()["vadd"]
+    x, o = fw.c(), fw.c()
+    twice(fw, lambda: k.launch_1d(8, x, x, o, 8))
+    n = len(fw.launches)
+    with pytest.raises(TypeError, match=r"'y' \(const float\* y\) needs float32 data but got a "
+                                        r"float64 cupy array"):
+        k.launch_1d(8, x, fw.c(dtype="float64"), o, 8)
+    with pytest.raises(ValueError, match="different GPUs"):
+        k.launch_1d(8, x, fw.c(device=1), o, 8)
+    assert len(fw.launches) == n
