@@ -117,3 +117,42 @@ class FakeDLPack:
         new.restype = ctypes.py_object
         new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
         return new(ctypes.addressof(self._managed), self._name, None)
+
+
+class _SimInfo:
+    sm_count = 132
+    max_smem_optin = 227 * 1024
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    """A pretend GPU 0 whose current stream is 0x5700; kernel launches are recorded (with the
+    arguments packed as the real launch packs them), not run."""
+    from contextlib import nullcontext
+
+    import types
+
+    from cupylab import _kfast, _launch, _runtime
+
+    rec = {"launches": [], "waits": []}
+    monkeypatch.setattr(_runtime, "pointer_device", lambda ptr: 0)
+    monkeypatch.setattr(_runtime, "current_device", lambda: 0)
+    monkeypatch.setattr(_runtime, "device_info", lambda d: _SimInfo())
+    monkeypatch.setattr(_launch, "ensure_device", lambda d: nullcontext())
+    monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0x5700)
+    monkeypatch.setattr(_launch, "wait_for", lambda c, p, d: rec["waits"].append((c, p)))
+    # the lean launch path's own runtime lookups, routed through the patched functions
+    monkeypatch.setattr(_kfast, "_get_device", lambda: _runtime.current_device())
+    monkeypatch.setattr(_kfast, "_torch_raw", lambda d: _launch.current_stream("torch", d))
+    monkeypatch.setattr(_kfast, "_cupy_current", lambda: types.SimpleNamespace(
+        ptr=_launch.current_stream("cupy", _runtime.current_device())))
+
+    def launch(self, device, grid, block, stream, args, shared_mem=0, grid_yz=(1, 1),
+               block_yz=(1, 1)):
+        self._struct.pack(*args)  # what the real launch packs
+        rec["launches"].append(dict(name=self.name_expression, grid=(grid,) + tuple(grid_yz),
+                                    block=(block,) + tuple(block_yz), stream=stream,
+                                    args=tuple(args), smem=shared_mem))
+
+    monkeypatch.setattr(_launch.Kernel, "launch", launch)
+    return rec

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupylab import CompileError, _compile, _runtime
+from cupylab import CompileError, _compile, _kmodule, _runtime
 from cupylab import kernels as K
 from cupylab.kernels import ElementwiseKernel, KernelNotFoundError, load_kernels
 
@@ -536,7 +536,9 @@ def test_compile_user_source_to_cubin(cache):
         assert kind == "cubin" and binary[:4] == b"\x7fELF"
 
 
-def test_examples_compile(cache):
+def test_examples_compile(cache, monkeypatch):
+    # fresh modules: instances that earlier tests of this process asked for would be compiled too
+    monkeypatch.setattr(_kmodule, "_modules", {})
     for cc in (80, 90):
         assert load_kernels(EXAMPLES / "vector_add.cu").compile(cc=cc) == {
             "vector_add": "vector_add"}
@@ -561,7 +563,7 @@ def test_disk_cache_hit_and_header_change(cache, tmp_path):
     s0 = dict(_compile.stats)
     load_kernels(cu, include_dirs=[d / "inc"]).compile(cc=90)
     assert _compile.stats["compiled"] == s0["compiled"] + 1
-    K._modules.clear()  # as in a new process: new module objects, same disk cache
+    _kmodule._modules.clear()  # as in a new process: new module objects, same disk cache
     load_kernels(cu, include_dirs=[d / "inc"]).compile(cc=90)
     assert _compile.stats["compiled"] == s0["compiled"] + 1
     assert _compile.stats["disk_hits"] == s0["disk_hits"] + 1
@@ -651,37 +653,6 @@ def test_parse_kernels_and_parse_signature_helpers():
 
 # =============================================================================================
 # the launch path, with a simulated runtime: what would reach cuLaunchKernel
-class _Info:
-    sm_count = 132
-    max_smem_optin = 227 * 1024
-
-
-@pytest.fixture
-def sim(monkeypatch):
-    """A pretend GPU 0 whose current stream is 0x5700; launches are recorded, not run."""
-    from contextlib import nullcontext
-
-    from cupylab import _launch
-
-    rec = {"launches": [], "waits": []}
-    monkeypatch.setattr(_runtime, "pointer_device", lambda ptr: 0)
-    monkeypatch.setattr(_runtime, "current_device", lambda: 0)
-    monkeypatch.setattr(_runtime, "device_info", lambda d: _Info())
-    monkeypatch.setattr(_launch, "ensure_device", lambda d: nullcontext())
-    monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0x5700)
-    monkeypatch.setattr(_launch, "wait_for", lambda c, p, d: rec["waits"].append((c, p)))
-
-    def launch(self, device, grid, block, stream, args, shared_mem=0, grid_yz=(1, 1),
-               block_yz=(1, 1)):
-        self._struct.pack(*args)  # what the real launch packs
-        rec["launches"].append(dict(name=self.name_expression, grid=(grid,) + tuple(grid_yz),
-                                    block=(block,) + tuple(block_yz), stream=stream,
-                                    args=tuple(args), smem=shared_mem))
-
-    monkeypatch.setattr(_launch.Kernel, "launch", launch)
-    return rec
-
-
 def test_simulated_launches(sim):
     k = mod(VADD)["vadd"]
     x, y, o = f32(ptr=0x1000), f32(ptr=0x2000), f32(ptr=0x3000, stream=0x99)

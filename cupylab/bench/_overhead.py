@@ -16,7 +16,13 @@ Rows, for torch and for CuPy inputs (whichever are usable):
   for torch inputs, CuPy stream capture for CuPy inputs), against the framework's own add
   captured the same way: µs per add;
 * the same 100 adds captured with cupylab's own helper when it has one (``cupylab.Graph``:
-  ``with g.capture(): ...`` then ``g.replay()``), against the framework's graph.
+  ``with g.capture(): ...`` then ``g.replay()``), against the framework's graph;
+* a user's kernel (:data:`USER_SRC`'s ``vadd`` through ``cupylab.load_kernels``, launched
+  with ``launch_1d``: every argument check included) against ``cupy.RawKernel`` of the same
+  source on the same memory (CuPy arrays; for torch inputs, CuPy views of the tensors), and
+  for torch inputs also against ``torch.add(x, y, out=z)``;
+* ``cupylab.ElementwiseKernel`` of ``ew_add`` (``out=z`` and allocating) against
+  ``cupylab.add`` on the same arrays: a user's elementwise kernel beside cupylab's own.
 """
 from __future__ import annotations
 
@@ -31,6 +37,20 @@ N = 1024
 GRAPH_OPS = 100
 #: Warm-up calls before timing.
 WARMUP = 200
+#: The user kernels of the ``load_kernels`` / ``ElementwiseKernel`` rows: a grid-stride
+#: ``vadd`` (also the ``cupy.RawKernel`` peer's source) and ``ew_add`` in the
+#: ``k(out, in..., n)`` form ``ElementwiseKernel`` takes.
+USER_SRC = r"""
+extern "C" __global__ void vadd(const float* x, const float* y, float* out, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        out[i] = x[i] + y[i];
+}
+extern "C" __global__ void ew_add(float* out, const float* x, const float* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] + y[i];
+}
+"""
+USER_BLOCK = 256
 
 
 def _row(inputs, case, make_cl, peer, make_peer, per=1):
@@ -81,7 +101,43 @@ def _cupylab_graph(cupylab, fn, sync, count=GRAPH_OPS):
     return g.replay
 
 
-def _torch_rows(torch, cupylab):
+def _user_vadd(cupylab, x, y, z):
+    k = cupylab.load_kernels(source=USER_SRC)["vadd"]
+    return lambda: k.launch_1d(N, x, y, z, N, block=USER_BLOCK)
+
+
+def _raw_vadd(cp, x, y, z):
+    """``cupy.RawKernel`` of the same ``vadd``, the grid ``launch_1d`` picks for ``N``; the
+    count as a 32-bit scalar (a Python int would be passed as 64 bits)."""
+    k = cp.RawKernel(USER_SRC, "vadd")
+    grid, args = (-(-N // USER_BLOCK),), (x, y, z, cp.int32(N))
+    return lambda: k(grid, (USER_BLOCK,), args)
+
+
+def _ew_add(cupylab):
+    return cupylab.ElementwiseKernel(cupylab.load_kernels(source=USER_SRC)["ew_add"],
+                                     block=USER_BLOCK)
+
+
+def _user_rows(inputs, cupylab, cp, x, y, z):
+    """The user-kernel rows for ``x``, ``y``, ``z`` of framework ``inputs``."""
+    views = (lambda: (x, y, z)) if inputs == "cupy" else (
+        lambda: tuple(cp.asarray(a) for a in (x, y, z)))
+    vadd = "vadd.launch_1d(n, x, y, z, n), load_kernels"
+    return [
+        _row(inputs, vadd, lambda: _user_vadd(cupylab, x, y, z),
+             "cupy.RawKernel vadd" + (" on CuPy views" if inputs != "cupy" else ""),
+             lambda: _raw_vadd(cp, *views())),
+        _row(inputs, "ElementwiseKernel ew_add(x, y, out=z)",
+             lambda: (lambda e: lambda: e(x, y, out=z))(_ew_add(cupylab)),
+             "cupylab.add(x, y, out=z)", lambda: lambda: cupylab.add(x, y, out=z)),
+        _row(inputs, "ElementwiseKernel ew_add(x, y)",
+             lambda: (lambda e: lambda: e(x, y))(_ew_add(cupylab)),
+             "cupylab.add(x, y)", lambda: lambda: cupylab.add(x, y)),
+    ]
+
+
+def _torch_rows(torch, cupylab, cp):
     from .._registry import OPS  # noqa: PLC0415
 
     x, y, z, a, b, s, d = (torch.rand(N, device="cuda") + 0.5 for _ in range(7))
@@ -108,7 +164,11 @@ def _torch_rows(torch, cupylab):
                                             torch.cuda.synchronize),
                      f"torch.add(out=) in a torch CUDA graph of {GRAPH_OPS}",
                      lambda: _torch_graph(torch, lambda: torch.add(x, y, out=z)), GRAPH_OPS))
-    return rows
+    user = _user_rows("torch", cupylab, cp, x, y, z)
+    rows.append(user[0])
+    rows.append(_row("torch", user[0]["case"], user[0]["make_cl"], "torch.add(x, y, out=z)",
+                     lambda: lambda: torch.add(x, y, out=z)))
+    return rows + user[1:]
 
 
 def _torch_fam(torch, fam, a, b, s, d):
@@ -147,7 +207,7 @@ def _cupy_rows(cp, cupylab):
                                             cp.cuda.runtime.deviceSynchronize),
                      f"cupy.add(out=) in a CuPy CUDA graph of {GRAPH_OPS}",
                      lambda: _cupy_graph(cp, lambda: cp.add(x, y, out=z)), GRAPH_OPS))
-    return rows
+    return rows + _user_rows("cupy", cupylab, cp, x, y, z)
 
 
 def _err(e):
@@ -228,7 +288,8 @@ def measure(cp, frameworks=("torch", "cupy"), calls=3000, rounds=5, progress=Non
     for fw in frameworks:
         try:
             mod = _frameworks.load(fw)
-            rows = _torch_rows(mod, cupylab) if fw == "torch" else _cupy_rows(mod, cupylab)
+            rows = (_torch_rows(mod, cupylab, cp) if fw == "torch"
+                    else _cupy_rows(mod, cupylab))
         except Exception as e:  # noqa: BLE001 - Unavailable, or making the inputs failed
             out.append({"inputs": fw, "case": "(inputs)", "peer": None, "cupylab_us": None,
                         "cupylab_min": None, "cupylab_max": None, "peer_us": None,
