@@ -1,6 +1,7 @@
 """The lean path for the most common elementwise call: every array operand a plain torch
 tensor (or every one a CuPy array), all C-contiguous, same shape, dtype and device, the
-current device, no ``stream=``; scalars as Python ``int``/``float``.
+current device, no ``stream=``/``dtype=``; scalars as Python ``int``/``float`` that keep the
+arrays' dtype (NumPy's and torch's rules agree there: :func:`elementwise.same_dtype_result`).
 
 It reads only what the launch needs (pointer, shape, dtype, device, contiguity, and torch's
 grad/neg flags), reuses per-(op, dtype) kernel handles, and launches. Anything unusual —
@@ -17,14 +18,15 @@ from .. import _launch as _launch_mod
 
 MISS = object()
 ABSENT = object()  # the third operand of a two-operand call
-_OP_ADD_MUL = 4  # cupylab.ops.elementwise.OPS["fused_add_mul"]: the one op reading c
 
 _kernel = None
 _smem_for = None
+_same_ok = None
+_OP_ADD_MUL = -1  # set by bind: the one op reading c
 _BLOCK = 256
 _STREAM_MIN_GRID = _launch_mod.STREAM_MIN_GRID
 _handlers: dict = {}
-_kinfo = tuple({} for _ in range(_OP_ADD_MUL + 1))  # [op]: framework dtype -> info or None
+_kinfo: tuple = ()  # [op]: framework dtype -> info or None
 _get_device = None
 _torch_stream = None
 _cupy_stream = None
@@ -32,22 +34,28 @@ _cupy_ndarray = None
 _torch_empty_like = None
 
 
-def bind(kernel_fn, block, smem_for):
-    """Called once by cupylab.ops.elementwise with its kernel lookup, block size and
-    residency-cap rule (``streaming_smem_for``)."""
-    global _kernel, _BLOCK, _smem_for
-    _kernel, _BLOCK, _smem_for = kernel_fn, block, smem_for
+def bind(kernel_fn, block, smem_for, n_ops, op_add_mul, same_ok):
+    """Called once by cupylab.ops.elementwise with its kernel lookup, block size, residency-cap
+    rule (``streaming_smem_for``), number of operator codes, the fused operator's code and the
+    rule saying which (operator, dtype) pairs keep the dtype (``same_dtype_result``)."""
+    global _kernel, _BLOCK, _smem_for, _kinfo, _OP_ADD_MUL, _same_ok
+    _kernel, _BLOCK, _smem_for, _same_ok = kernel_fn, block, smem_for, same_ok
+    _kinfo = tuple({} for _ in range(n_ops))
+    _OP_ADD_MUL = op_add_mul
 
 
 def _dtype(op, fdt):
     """``(DType, all-arrays vector kernel, vector kernel, scalar kernel, vector width,
-    three operands?, itemsize)`` for an operator and a framework dtype, or None when the dtype
-    is not one the operators take (the general path explains)."""
+    three operands?, itemsize, zero scalar argument)`` for an operator and a framework dtype,
+    or None when the lean path does not take it (a result of another dtype, or complex torch
+    tensors, whose conj bit it does not read): the general path handles and explains."""
     try:
         d = _dtypes.resolve(fdt)
+        torch_complex = d.kind == "c" and type(fdt).__module__.split(".", 1)[0] == "torch"
         info = ((d, _kernel(op, d, "vec_arrays"), _kernel(op, d, "vec"),
-                 _kernel(op, d, "scalar"), 16 // d.itemsize, op == _OP_ADD_MUL, d.itemsize)
-                if d.arithmetic else None)
+                 _kernel(op, d, "scalar"), 16 // d.itemsize, op == _OP_ADD_MUL, d.itemsize,
+                 d.scalar_bits(0))
+                if d.arithmetic and _same_ok(op, d) and not torch_complex else None)
     except TypeError:
         info = None
     _kinfo[op][fdt] = info
@@ -92,19 +100,16 @@ def handler(tp):
     return h
 
 
-def run(op, x, y, z, out, allow):
-    """Try the lean path for ``OP(x, y)`` (``z`` is :data:`ABSENT`) or ``OP(x, y, z)``; returns
-    the result or :data:`MISS`."""
-    return handler(type(x))(op, x, y, z, out, allow)
-
-
 def _scalar(y, i, allow, dt):
-    """Kernel argument for a Python scalar operand, or None to miss (the general path then
-    raises the documented error)."""
+    """Kernel argument for a Python scalar operand that keeps the arrays' dtype (an int with
+    integer or real float arrays, a float with real float arrays), or None to miss (the
+    general path then promotes or raises the documented error)."""
     ty = type(y)
     if ty is not float and ty is not int:
         return None
-    if (allow is not None and not allow[i]) or (ty is float and dt.kind == "i"):
+    k = dt.kind
+    if (allow is not None and not allow[i]) or k == "b" or k == "c" or (
+            ty is float and k != "f"):
         return None
     try:
         return dt.scalar_bits(y)
@@ -116,7 +121,7 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
     # alignment: the vector path when every array pointer shares its offset modulo 16; the
     # kernel takes the pointers of the aligned body and the peeled head/tail lengths
     # (elementwise.contiguous_plan is the reference version of this)
-    dt, karr, kvec, kscal, vw, three, isz = info
+    dt, karr, kvec, kscal, vw, three, isz, zero = info
     if not (optr | p0 | p1 | p2) & 15:  # all 16-byte aligned (the usual case): no head
         head = 0
         nvec = n // vw
@@ -148,7 +153,7 @@ def _launch(info, n, optr, p0, p1, p2, s1, s2, dev, stream):
         buf, _, params = k._tls.bp
     except AttributeError:
         buf, _, params = k._buffers()
-    k._struct.pack_into(buf, 0, optr, p0, p1, p2, 0, s1, s2, nvec, head, tail)
+    k._struct.pack_into(buf, 0, optr, p0, p1, p2, zero, s1, s2, nvec, head, tail)
     grid = -(-(nvec + head + tail) // _BLOCK)
     # the residency cap: only large grids ask elementwise.streaming_smem_for (the shared rule)
     smem = _smem_for(k, grid, dev) if grid >= _STREAM_MIN_GRID else 0
@@ -177,7 +182,8 @@ def _torch(op, x, y, z, out, allow):
         if not n:
             return MISS
         p0 = x.data_ptr()
-        p1 = p2 = s1 = s2 = 0
+        p1 = p2 = 0
+        s1 = s2 = info[7]
         if type(y) is tt:
             if (y.requires_grad or y.dtype is not fdt or y.shape != shape or not y.is_contiguous()
                     or y.is_neg() or y.get_device() != dev):
@@ -254,7 +260,8 @@ def _cupy(op, x, y, z, out, allow):
         mem = x.data
         dev = mem.device_id
         p0 = mem.ptr
-        p1 = p2 = s1 = s2 = 0
+        p1 = p2 = 0
+        s1 = s2 = info[7]
         if type(y) is tt:
             p1 = _cupy_ptr(y, fdt, shape, dev)
             if not p1:
