@@ -135,7 +135,7 @@ def representative_names():
         names.append(name_expression("contig", OPS["true_divide"], types, (v, True)))
         names.append(name_expression("rows", OPS["fused_add_mul"], types, (v,)))
         names.append(name_expression("strided", OPS["multiply"], types, ("int",)))
-    return names
+    return list(dict.fromkeys(names))
 
 
 def representative_program() -> _compile.Program:

@@ -1,0 +1,317 @@
+"""The NumPy drop-in's logic without a GPU: type resolution against NumPy's own results for every
+dtype pair and scalar kind, and the planning decisions (kernel instance, vector width, rows
+kernel, temporaries, argument packing) through a simulated runtime whose launches are recorded
+(fake CUDA Array Interface operands, nothing compiled or run)."""
+import struct
+import types
+
+import numpy as np
+import pytest
+
+import cupylab
+from cupylab import _dtypes, _launch, _promotion, _runtime
+from cupylab.ops import _fast, elementwise as ew
+
+from conftest import FakeCAI
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+NAMES = [d.name for d in _dtypes.ARITHMETIC]
+UFUNCS = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
+          "true_divide": np.divide, "floor_divide": np.floor_divide}
+
+
+def npdt(name):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def numpy_result(uf, *operands, **kw):
+    """What NumPy itself computes (dtype) for these operands, or the exception type."""
+    try:
+        with np.errstate(all="ignore"):
+            return uf(*operands, **kw).dtype.name
+    except TypeError:
+        return "TypeError"
+    except OverflowError:
+        return "OverflowError"
+
+
+def ours(op, keys, **kw):
+    try:
+        return _promotion.resolve("numpy", op, keys, **kw)[1].name
+    except (TypeError, OverflowError) as e:
+        return type(e).__name__
+
+
+# -- type resolution --------------------------------------------------------------------------
+@pytest.mark.parametrize("op", list(UFUNCS))
+def test_numpy_rule_every_dtype_pair(op):
+    """Every pair of the 15 dtypes: the result dtype NumPy computes on real arrays (or its
+    refusal) is the one cupylab resolves."""
+    bad = []
+    for a in NAMES:
+        for b in NAMES:
+            want = numpy_result(UFUNCS[op], np.ones(2, npdt(a)), np.ones(2, npdt(b)))
+            got = ours(op, (("a", a, False), ("a", b, False)))
+            if want != got:
+                bad.append((a, b, want, got))
+    assert not bad
+
+
+@pytest.mark.parametrize("op", list(UFUNCS))
+def test_numpy_rule_scalars_on_either_side(op):
+    """Python scalars are weak (NEP 50), NumPy scalars and 0-d arrays are not."""
+    bad = []
+    for a in NAMES:
+        arr = np.ones(2, npdt(a))
+        for s, key in ((True, ("w", "bool")), (3, ("w", "int")), (2.5, ("w", "float")),
+                       (1j, ("w", "complex")), (np.float32(2), ("s", "float32")),
+                       (np.int64(3), ("s", "int64")), (np.array(2.0), ("s", "float64")),
+                       (np.uint8(1), ("s", "uint8"))):
+            for order in (0, 1):
+                args = (arr, s) if order == 0 else (s, arr)
+                keys = (("a", a, False), key) if order == 0 else (key, ("a", a, False))
+                want = numpy_result(UFUNCS[op], *args)
+                got = ours(op, keys)
+                if want != got:
+                    bad.append((a, s, order, want, got))
+    assert not bad
+
+
+def test_numpy_rule_dtype_and_out_casting():
+    f32, f64, i32 = ("a", "float32", False), ("a", "float64", False), ("a", "int32", False)
+    D = _dtypes.DTYPES
+    assert ours("add", (f64, f64), dtype=D["float32"]) == "float32"
+    assert ours("add", (i32, i32), dtype=D["float64"]) == "float64"
+    assert ours("add", (f64, f64), dtype=D["int32"]) == "TypeError"  # input cast refused
+    assert ours("add", (f64, f64), dtype=D["int32"], casting="unsafe") == "int32"
+    for out in NAMES:
+        for casting in _dtypes.CASTING:
+            want = numpy_result(np.add, np.ones(2, np.float32), np.ones(2, np.int32),
+                                out=np.ones(2, npdt(out)), casting=casting)
+            got = ours("add", (f32, i32), out=D[out], casting=casting)
+            want = "float64" if want not in ("TypeError", "OverflowError") else want
+            assert got == want, (out, casting)
+
+
+def test_results_are_cached_per_combination(monkeypatch):
+    keys = (("a", "int16", False), ("w", "float"))
+    _promotion.resolve("numpy", "multiply", keys)
+    monkeypatch.setattr(_promotion, "_RULES", {})  # a second lookup must not need the rule
+    assert _promotion.resolve("numpy", "multiply", keys)[1].name == "float64"
+
+
+def test_torch_rule():
+    torch = pytest.importorskip("torch")
+    keys = (("a", "int32", False), ("a", "int32", False))
+    assert _promotion.resolve("torch", "true_divide", keys)[1].name == str(
+        torch.get_default_dtype()).split(".")[1]
+    zero_d = (("a", "float32", False), ("a", "float64", True))  # 0-d tensors: category only
+    assert _promotion.resolve("torch", "add", zero_d)[1].name == "float32"
+    with pytest.raises(TypeError, match="bool tensors is not supported"):
+        _promotion.resolve("torch", "subtract", (("a", "bool", False), ("a", "bool", False)))
+
+
+# -- planning through a simulated runtime ------------------------------------------------------
+class Sim:
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self.allocated = []
+        monkeypatch.setattr(_runtime, "pointer_device", lambda p: 0)
+        monkeypatch.setattr(_runtime, "current_device", lambda: 0)
+        monkeypatch.setattr(_runtime, "device_info",
+                            lambda d: types.SimpleNamespace(sm_count=132, cc=90))
+        monkeypatch.setattr(_launch, "ensure_device", lambda d: _launch._NULL)
+        monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 7)
+        monkeypatch.setattr(_launch, "streaming_smem", lambda k, d: 0)
+        monkeypatch.setattr(_launch.Kernel, "function", lambda self, d: id(self))
+        monkeypatch.setattr(_launch, "_driver_launch", self._record)
+        monkeypatch.setattr(ew, "allocate", self._allocate)
+
+    def _record(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        k = next(k for k in ew._kernels.values() if id(k) == f)
+        args = struct.unpack_from(k._struct.format, k._tls.bp[0])
+        self.calls.append((k.name_expression, (gx, gy, gz), stream, args))
+
+    def _allocate(self, kind, shape, dt, device):
+        a = FakeCAI(shape, dt.typestr, ptr=0x7E0000000000 + 4096 * len(self.allocated))
+        self.allocated.append(a)
+        return a
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    return Sim(monkeypatch)
+
+
+def cai(shape, typestr, ptr, strides=None):
+    return FakeCAI(shape, typestr, ptr=ptr, strides=strides)
+
+
+BASE = 0x7F0000000000
+
+
+def test_mixed_dtypes_one_vectorised_pass(sim):
+    """float32 + float16 -> float32: one ew_contig instance reading each operand in its own
+    dtype, 4 elements per thread (16 bytes of float32, 8 of float16)."""
+    x, y, o = cai((1000,), "<f4", BASE), cai((1000,), "<f2", BASE + 8192), cai((1000,), "<f4", BASE + 16384)
+    assert cupylab.add(x, y, out=o) is o
+    ((name, grid, stream, args),) = sim.calls
+    assert name == "cl::ew_contig<float, float, cl::half_t, float, float, 0, 4, true>"
+    assert grid == (1, 1, 1) and stream == 7
+    assert args[:4] == (BASE + 16384, BASE, BASE + 8192, 0) and args[-3:] == (250, 0, 0)
+
+
+def test_mixed_alignment_offsets_peel_a_common_head(sim):
+    """int64 + int32 with both operands one element past a vector boundary: the head of 1
+    element is peeled, pointers advance by their own item sizes."""
+    x = cai((99,), "<i8", BASE + 8)
+    y = cai((99,), "<i4", BASE + 8192 + 4)
+    o = cai((99,), "<i8", BASE + 16384 + 8)
+    cupylab.add(x, y, out=o)
+    ((name, _, _, args),) = sim.calls
+    assert name == "cl::ew_contig<long long, long long, int, long long, long long, 0, 2, true>"
+    assert args[:3] == (BASE + 16384 + 16, BASE + 16, BASE + 8192 + 8)
+    assert args[-3:] == (49, 1, 0)
+    sim.calls.clear()
+    cupylab.add(x, cai((99,), "<i4", BASE + 8192), out=o)  # offsets differ: element-wise
+    assert sim.calls[0][0].endswith(", 0, 1, false>")
+
+
+def test_int_array_float_scalar_promotes_to_float64(sim):
+    o = cai((10,), "<f8", BASE + 4096)
+    cupylab.multiply(cai((10,), "<i4", BASE), 0.5, out=o)
+    ((name, _, _, args),) = sim.calls
+    assert name == "cl::ew_contig<double, int, double, double, double, 2, 2, false>"
+    assert args[4:7] == (0.0, 0.5, 0.0)
+
+
+def test_out_cast_and_dtype_keyword(sim):
+    x = cai((64,), "<f8", BASE)
+    cupylab.add(x, x, out=cai((64,), "<f4", BASE + 4096))  # float64 computed, cast to float32
+    assert sim.calls[-1][0] == "cl::ew_contig<float, double, double, double, double, 0, 2, true>"
+    cupylab.add(x, x, out=cai((64,), "<f2", BASE + 8192), dtype="float32")
+    assert sim.calls[-1][0] == ("cl::ew_contig<cl::half_t, double, double, float, float, 0, 2, "
+                                "true>")
+    cupylab.subtract(x, 1, out=(cai((64,), "<f8", BASE + 16384),))  # a 1-tuple out
+    assert sim.calls[-1][0].startswith("cl::ew_contig<double, double, double, double, double, 1")
+
+
+def test_complex_scalar_is_packed_as_two_parts(sim):
+    o = cai((16,), "<c8", BASE + 4096)
+    cupylab.add(cai((16,), "<c8", BASE), 1.5 - 2j, out=o)
+    args = sim.calls[-1][3]
+    assert struct.unpack("<ff", args[5]) == (1.5, -2.0) and args[4] == bytes(8)
+
+
+def test_partial_overlap_computes_through_a_temporary(sim):
+    """out = x shifted by one element: compute into a temporary of out's dtype, then a copy
+    kernel writes out (NumPy's answer); both on the call's stream."""
+    x = cai((100,), "<f4", BASE)
+    y = cai((99,), "<f4", BASE + 8192)
+    out = cai((99,), "<f4", BASE + 4)
+    cupylab.add(cai((99,), "<f4", BASE), y, out=out)
+    assert len(sim.allocated) == 1 and len(sim.calls) == 2
+    (n1, _, s1, a1), (n2, _, s2, a2) = sim.calls
+    tmp = sim.allocated[0].__cuda_array_interface__["data"][0]
+    assert ", 0, " in n1 and a1[0] == tmp
+    assert n2 == "cl::ew_contig<float, float, float, float, float, 6, 1, false>"
+    assert a2[:2] == (BASE + 4, tmp) and s1 == s2 == 7
+    del x
+    sim.calls.clear()
+    xx = cai((99,), "<f4", BASE)
+    cupylab.add(xx, y, out=xx)  # exactly in place: no temporary
+    assert len(sim.calls) == 1 and len(sim.allocated) == 1
+
+
+def test_all_scalar_operands(sim, monkeypatch):
+    monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(asarray=np.asarray))
+    r = cupylab.add(2, 2.0)
+    assert r.shape == () and r.dtype == np.float64 and r == 4.0
+    assert cupylab.floor_divide(7, -2) == -4 and cupylab.divide(1, 4).dtype == np.float64
+    assert cupylab.add(np.float32(1), 2.0).dtype == np.float32  # strong NumPy scalar
+    with pytest.raises(TypeError, match="subtract: numpy boolean subtract"):
+        cupylab.subtract(True, False)
+    o = cai((5, 3), "<f4", BASE)
+    cupylab.add(2, 3, out=o)  # scalars broadcast to out: one launch, no array read
+    ((name, _, _, args),) = sim.calls
+    assert name.startswith("cl::ew_contig<float, long long, long long") or ", false>" in name
+    assert args[1:4] == (0, 0, 0)
+
+
+@pytest.mark.parametrize("other_shape,strides,expect", [
+    ((256,), None, "rows"), ((300, 1), None, "rows"), ((300, 256), (2048, 4), "rows"),
+])
+def test_rows_kernel_chosen_for_bias_shapes(sim, other_shape, strides, expect):
+    x = cai((300, 256), "<f4", BASE)
+    o = cai((300, 256), "<f4", BASE + (1 << 24))
+    cupylab.add(x, cai(other_shape, "<f4", BASE + (1 << 26), strides=strides), out=o)
+    name, grid, _, _ = sim.calls[-1]
+    assert name.startswith("cl::ew_rows<") and grid[1] * grid[2] >= 300
+
+
+def test_odd_rows_take_the_strided_kernel(sim):
+    y = cai((300, 257), "<f4", BASE)
+    cupylab.add(y, cai((257,), "<f4", BASE + (1 << 24)), out=cai((300, 257), "<f4", BASE + (1 << 26)))
+    assert sim.calls[-1][0] == "cl::ew_strided<float, float, float, float, float, 0, int>"
+
+
+def test_rows_kernel_mixed_dtypes_and_more_rows_than_grid_y(sim):
+    rows = 70001
+    x = cai((rows, 128), "<f2", BASE)
+    bias = cai((128,), "<f4", BASE + (1 << 30))
+    cupylab.add(x, bias, out=cai((rows, 128), "<f4", BASE + (1 << 31)))
+    name, grid, _, args = sim.calls[-1]
+    assert name == "cl::ew_rows<float, cl::half_t, float, float, float, 0, 4>"
+    assert grid[1] * grid[2] >= rows and grid[2] > 1
+
+
+def test_strided_kernel_packs_dims(sim):
+    x = cai((8, 9, 10), "<f8", BASE, strides=(8, 64 * 10, 64))  # a transposed view
+    o = cai((8, 9, 10), "<f8", BASE + (1 << 24))
+    cupylab.multiply(x, 2, out=o)
+    name, _, _, args = sim.calls[-1]
+    assert name == "cl::ew_strided<double, double, double, double, double, 2, int>"
+    assert args[7:9] == (720, 2) and struct.unpack("8i", args[9])[:2] == (8, 90)
+
+
+def test_prepare_argument_errors(sim):
+    a = cai((10,), "<f4", BASE)
+    with pytest.raises(TypeError, match="prepare: 'sum' is not a cupylab operator"):
+        cupylab.prepare(sum, a)
+    with pytest.raises(TypeError, match=r"prepare: fused_add_mul takes 3 operands \(a, b, s\), "
+                                        "got 2"):
+        cupylab.prepare(cupylab.fused_add_mul, a, a)
+    with pytest.raises(ValueError, match="out has shape"):
+        cupylab.prepare(cupylab.add, a, a, out=cai((9,), "<f4", BASE + 4096))
+    with pytest.raises(ValueError, match="prepare: add: out overlaps an input"):
+        cupylab.prepare(cupylab.add, a, a, out=cai((10,), "<f4", BASE + 4))
+    call = cupylab.prepare(cupylab.add, a, cai((10,), "<f2", BASE + 8192),
+                           out=cai((10,), "<f4", BASE + 4096))
+    assert "grid=1" in repr(call) and not sim.calls  # nothing launched until called
+
+
+def test_lean_path_only_where_the_dtype_is_kept():
+    """The lean path takes same-dtype calls whose result keeps the dtype; the rest (integer
+    true division, bool subtract, complex floor division) go to the general path."""
+    ok = ew.same_dtype_result
+    D = _dtypes.DTYPES
+    assert ok(ew.OPS["true_divide"], D["float16"]) and not ok(ew.OPS["true_divide"], D["int32"])
+    assert not ok(ew.OPS["subtract"], D["bool"]) and ok(ew.OPS["add"], D["bool"])
+    assert not ok(ew.OPS["floor_divide"], D["complex64"]) and ok(ew.OPS["floor_divide"], D["uint8"])
+    i32 = D["int32"]
+    assert _fast._scalar(2, 1, None, i32) == 2 and _fast._scalar(2.5, 1, None, i32) is None
+    assert _fast._scalar(True, 1, None, i32) is None and _fast._scalar(1, 1, None, D["bool"]) is None
+    assert _fast._scalar(2**40, 1, None, i32) is None  # out of range: the general path raises
+
+
+def test_kernel_formats_come_from_the_c_signatures():
+    D = _dtypes.DTYPES
+    t = (D["complex128"], D["float64"], D["complex64"], D["complex128"], D["complex128"])
+    k = ew.kernel("contig", ew.OPS["add"], t, (1, False))
+    assert k._struct.format == "@QQQQ16s16s16sqqq"
+    k = ew.kernel("strided", ew.OPS["add"], (D["bfloat16"],) * 5, ("long long",))
+    assert k._struct.format == f"@QQQQHHHqi{8 * ew.MAXD}s{8 * ew.MAXD}s{8 * ew.MAXD}s" \
+                               f"{8 * ew.MAXD}s{8 * ew.MAXD}s"
+    assert f"-DCL_MAXD={ew.MAXD}" in k.program.options
+    assert "-DCL_OP_FLOOR_DIVIDE=4" in k.program.options
+    assert k.program.name_expressions == (k.name_expression,)  # one instance per program
