@@ -138,6 +138,67 @@ def representative_names():
     return list(dict.fromkeys(names))
 
 
+#: public operator name -> kernel operator (for precompile and messages)
+PUBLIC_OPS = {"add": "add", "subtract": "subtract", "multiply": "multiply",
+              "divide": "true_divide", "true_divide": "true_divide",
+              "floor_divide": "floor_divide", "fused_add_mul": "fused_add_mul"}
+
+
+def instances(ops, dtypes, rules=("numpy",), scalars=True):
+    """The kernel instances calls on contiguous (and, for one dtype, row-broadcast and
+    strided) operands of ``dtypes`` need: every pair of array dtypes for each operator in
+    ``ops`` (public names), and with ``scalars`` a Python int or float on either side, under
+    each framework rule in ``rules``. Yields ``(variant, op, types, extra)`` for
+    :func:`kernel` (what ``python -m cupylab precompile`` compiles)."""
+    seen = set()
+    D = [_dtypes.resolve(d) for d in dtypes]
+
+    def vw(types):
+        return 16 // max(t.itemsize for t in types)
+
+    def emit(*inst):
+        if inst not in seen:
+            seen.add(inst)
+            return [inst]
+        return []
+
+    out = []
+    for name in ops:
+        kop = PUBLIC_OPS[name]
+        code = OPS[kop]
+        for rule in rules:
+            for a in D:
+                pairs = [a] if kop == "fused_add_mul" else D
+                for b in pairs:
+                    keys = (("a", a.name, False), ("a", b.name, False))
+                    if kop == "fused_add_mul":
+                        keys += (("a", a.name, False),)
+                    try:
+                        ct = _promotion.resolve(rule, kop, keys)[0]
+                    except TypeError:
+                        continue
+                    t = (ct, a, b, a if kop == "fused_add_mul" else ct, ct)
+                    out += emit("contig", code, t, (vw(t), True))
+                    out += emit("contig", code, t, (1, False))
+                    out += emit("strided", code, t, ("int",))
+                    if a is b:
+                        out += emit("contig", code, t, (vw(t), False))
+                        out += emit("rows", code, t, (vw(t),))
+                if not scalars or kop == "fused_add_mul":
+                    continue
+                for kind in ("int", "float"):
+                    for keys in ((("a", a.name, False), ("w", kind)),
+                                 (("w", kind), ("a", a.name, False))):
+                        try:
+                            ct = _promotion.resolve(rule, kop, keys)[0]
+                        except TypeError:
+                            continue
+                        t = (ct, a if keys[0][0] == "a" else ct, a if keys[1][0] == "a" else ct,
+                             ct, ct)
+                        out += emit("contig", code, t, (vw(t), False))
+    return out
+
+
 def representative_program() -> _compile.Program:
     """One program holding :func:`representative_names` (for CI's compile test)."""
     mod = source_module()
