@@ -604,18 +604,22 @@ _PARAMS = {2: "x1, x2 : GPU array or scalar", 3: "a, b : GPU array\n    s : GPU 
 _lean_get, _lean_new, _ABSENT, _MISS = _fast._handlers.get, _fast.handler, _fast.ABSENT, _fast.MISS
 
 
+_SK = "same_kind"  # the default casting: an identity test on the lean path (other spellings of
+# the same string are still correct, through the general path)
+
+
 def _make(name, kop, names, allow, summary):
     code = OPS[kop]
     if len(names) == 2:
-        def f(x1, x2, /, out=None, *, dtype=None, casting="same_kind", stream=None):
-            if stream is None and dtype is None and casting == "same_kind":
+        def f(x1, x2, /, out=None, *, dtype=None, casting=_SK, stream=None):
+            if stream is None and dtype is None and casting is _SK:
                 r = (_lean_get(type(x1)) or _lean_new(type(x1)))(code, x1, x2, _ABSENT, out, allow)
                 if r is not _MISS:
                     return r
             return _run(name, code, (x1, x2), names, out, dtype, casting, stream, allow)
     else:
-        def f(a, b, s, /, out=None, *, dtype=None, casting="same_kind", stream=None):
-            if stream is None and dtype is None and casting == "same_kind":
+        def f(a, b, s, /, out=None, *, dtype=None, casting=_SK, stream=None):
+            if stream is None and dtype is None and casting is _SK:
                 r = (_lean_get(type(a)) or _lean_new(type(a)))(code, a, b, s, out, allow)
                 if r is not _MISS:
                     return r
