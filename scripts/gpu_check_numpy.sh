@@ -8,7 +8,8 @@
 #   4. a short mixed-dtype bench at 2^24 and 2^26 elements against cupy.add and torch.add,
 #      with GB/s on the bytes moved and the share of the streaming ceiling;
 # then a summary. Usage: scripts/gpu_check_numpy.sh [OUTDIR]   (default ./out; $OUT if set)
-# STEPS (default "precompile tests sanitizer bench") picks steps.
+# STEPS (default "precompile tests sanitizer bench") picks steps; T_PRE, T_TESTS, T_SAN, T_BENCH
+# bound each step (seconds).
 set -u
 cd "$(dirname "$0")/.."
 OUTD=${1:-${OUT:-out}}
@@ -22,7 +23,7 @@ has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 t0=$(date +%s)
 
 if has precompile; then
-  timeout 120 $PY -m cupylab precompile --arch sm_90 --rules numpy,torch --jobs "$(nproc)" \
+  timeout ${T_PRE:-120} $PY -m cupylab precompile --arch sm_90 --rules numpy,torch --jobs "$(nproc)" \
     > "$OUTD/precompile.log" 2>&1
   summary+=("precompile (rc=$?): $(tail -n 1 "$OUTD/precompile.log")")
   # cold: a fresh cache, the first call of a new combination after CuPy and NVRTC are up;
@@ -45,7 +46,7 @@ fi
 summary+=("  (elapsed $(( $(date +%s) - t0 )) s)")
 
 if has tests; then
-  timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu_conformance.py \
+  timeout ${T_TESTS:-300} $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu_conformance.py \
     tests/test_gpu_elementwise.py tests/test_ufunc_cpu.py tests/test_ops_cpu.py \
     tests/test_interop_cpu.py ${PYTEST_ARGS:-} > "$OUTD/pytest.log" 2>&1
   summary+=("pytest (elementwise + conformance, rc=$?): $(tail -n 1 "$OUTD/pytest.log")")
@@ -56,7 +57,7 @@ fi
 SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
 if has sanitizer; then
   if command -v "$SAN" >/dev/null 2>&1; then
-    timeout 200 "$SAN" --tool memcheck --error-exitcode 99 --target-processes all \
+    timeout ${T_SAN:-200} "$SAN" --tool memcheck --error-exitcode 99 --target-processes all \
       $PY -m pytest -q -p no:cacheprovider tests/test_gpu_conformance.py tests/test_gpu_elementwise.py \
       -k "${MEMCHECK_SELECT:-layouts or edge_values or (every_dtype_pair and add) or (vector_kernel_every_head and float16)}" \
       > "$OUTD/memcheck.log" 2>&1
@@ -68,7 +69,7 @@ if has sanitizer; then
 fi
 
 if has bench; then
-  timeout 120 $PY - > "$OUTD/bench-mixed.log" 2>&1 <<'PYEOF'
+  timeout ${T_BENCH:-120} $PY - > "$OUTD/bench-mixed.log" 2>&1 <<'PYEOF'
 import numpy as np, cupy as cp, cupylab
 try:
     import torch
