@@ -140,10 +140,23 @@ __device__ __forceinline__ bf16_t bf16_from(unsigned long long w) { return bf16_
 
 // narrow: a widened value to the target storage type. Complex to real keeps the real part
 // (NumPy's unsafe cast); complex to bool tests both parts.
+// Floats to integers go through a 64-bit integer and wrap to the narrower type, as NumPy's C
+// casts do on x86-64 for values inside the 64-bit range (a direct float -> int8 conversion on
+// the GPU would saturate); beyond it the result is undefined in NumPy too.
 template <typename To> struct Narrow {
-    template <typename W> static __device__ __forceinline__ To run(W w) { return (To)w; }
-    static __device__ __forceinline__ To run(complex64_t w) { return (To)w.re; }
-    static __device__ __forceinline__ To run(complex128_t w) { return (To)w.re; }
+    template <typename W> static __device__ __forceinline__ To run(W w) {
+        if constexpr (IsInt<To>::value && !IsInt<W>::value && !IsSame<W, bool>::value) {
+            if constexpr (sizeof(To) == 8 && !IsSigned<To>::value) {
+                return w >= (W)9223372036854775808.0 ? (To)w : (To)(long long)w;
+            } else {
+                return (To)(long long)w;
+            }
+        } else {
+            return (To)w;
+        }
+    }
+    static __device__ __forceinline__ To run(complex64_t w) { return run(w.re); }
+    static __device__ __forceinline__ To run(complex128_t w) { return run(w.re); }
 };
 template <> struct Narrow<bool> {
     template <typename W> static __device__ __forceinline__ bool run(W w) { return w != (W)0; }

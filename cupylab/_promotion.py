@@ -93,21 +93,35 @@ def _dt(npdt):
 
 
 def _numpy(op, keys, dtype, out, casting):
+    """NumPy's own answer: the ufunc evaluated once on one-element host operands of the same
+    kinds (arrays, NumPy scalars, Python scalars), with ``dtype=`` and ``casting``; then
+    ``out``'s cast checked as NumPy checks it. Evaluating (rather than asking
+    ``resolve_dtypes``) follows what each NumPy / ml_dtypes version really does, e.g. for
+    bfloat16 with Python floats."""
     import numpy as np  # noqa: PLC0415 - every caller of this rule has CuPy, hence NumPy
 
-    weak = {"int": int, "float": float, "complex": complex, "bool": np.dtype(bool)}
-    ins = [weak[k[1]] if k[0] == "w" else _np_dtype(np, k[1]) for k in keys]
+    weak = {"int": 1, "float": 1.0, "complex": 1j, "bool": True}
+
+    def sample(k):
+        if k[0] == "w":
+            return weak[k[1]]
+        d = _np_dtype(np, k[1])
+        return np.ones(1, d) if k[0] == "a" else d.type(1)
+
+    args = [sample(k) for k in keys]
     kw = {"casting": casting}
     if dtype is not None:
-        kw["signature"] = (None, None, _np_dtype(np, dtype.name))
-    odt = None if out is None else _np_dtype(np, out.name)
-    if op == "fused_add_mul":  # (a + b) * s: NumPy's types for add, then for multiply
-        first = np.add.resolve_dtypes((ins[0], ins[1], None), casting=casting)[2]
-        loop = np.multiply.resolve_dtypes((first, ins[2], odt), **kw)
-    else:
-        uf = getattr(np, UFUNCS[op])
-        loop = uf.resolve_dtypes((ins[0], ins[1], odt), **kw)
-    ct = _dt(loop[2])
+        kw["dtype"] = _np_dtype(np, dtype.name)
+    with np.errstate(all="ignore"):
+        if op == "fused_add_mul":  # (a + b) * s: NumPy's types for add, then for multiply
+            r = np.multiply(np.add(args[0], args[1], casting=casting), args[2], **kw)
+        else:
+            r = getattr(np, UFUNCS[op])(args[0], args[1], **kw)
+    ct = _dt(r.dtype)
+    if out is not None and not _dtypes.can_cast(ct, out, casting):
+        name = UFUNCS[op] or "multiply"
+        raise TypeError(f"Cannot cast ufunc '{name}' output from {_np_dtype(np, ct.name)!r} to "
+                        f"{_np_dtype(np, out.name)!r} with casting rule '{casting}'")
     return ct, ct
 
 
@@ -135,8 +149,9 @@ def _torch(op, keys, dtype, out, casting):
     if op == "fused_add_mul":
         r = torch.result_type(torch.empty((1,), dtype=r), args[2])
     rt = _dtypes.resolve(r)
-    if op == "subtract" and rt.kind == "b":
-        raise TypeError("Subtraction, the `-` operator, with two bool tensors is not supported "
+    if op == "subtract" and (rt.kind == "b" or any(k[0] == "a" and k[1] == "bool"
+                                                    for k in keys)):
+        raise TypeError("Subtraction, the `-` operator, with a bool tensor is not supported "
                         "(torch's rule); use the `^` or logical_xor() operator instead")
     if op == "floor_divide" and rt.kind in "bc":
         raise TypeError(f"floor_divide is not supported for {rt.name} tensors (torch's rule)")

@@ -93,7 +93,9 @@ def _run_case(fw, op, dtype, case, use_out, scalar_s=False):
         hargs[-1] = np.float64(sval) if dtype in FLOATS else np.int64(sval)
     shape = np.broadcast_shapes(*[np.shape(h) for h in hargs])
     fn = getattr(cupylab, op)
-    rdt = "float64" if (op == "divide" and dtype in INTS) else dtype  # true division of ints
+    rdt = dtype
+    if op == "divide" and dtype in INTS:  # true division of ints: NumPy float64, torch float32
+        rdt = "float32" if fw == "torch" else "float64"
     if use_out:
         out = empty_poisoned(fw, shape, rdt)
         res = fn(*args, out=out)

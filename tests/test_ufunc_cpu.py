@@ -128,7 +128,8 @@ class Sim:
         monkeypatch.setattr(ew, "allocate", self._allocate)
 
     def _record(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        k = next(k for k in ew._kernels.values() if id(k) == f)
+        # a kernel launched on a real GPU earlier in the session keeps its CUfunction handle
+        k = next(k for k in ew._kernels.values() if id(k) == f or f in k._fns.values())
         args = struct.unpack_from(k._struct.format, k._tls.bp[0])
         self.calls.append((k.name_expression, (gx, gy, gz), stream, args))
 
@@ -302,6 +303,8 @@ def test_lean_path_only_where_the_dtype_is_kept():
     assert _fast._scalar(2, 1, None, i32) == 2 and _fast._scalar(2.5, 1, None, i32) is None
     assert _fast._scalar(True, 1, None, i32) is None and _fast._scalar(1, 1, None, D["bool"]) is None
     assert _fast._scalar(2**40, 1, None, i32) is None  # out of range: the general path raises
+    assert _fast._overlaps(1000, 40, ((1004, 40),)) and not _fast._overlaps(1000, 40, ((1000, 40),))
+    assert _fast._overlaps(1000, 40, ((1000, 20),)) and not _fast._overlaps(1000, 40, ((1040, 8),))
 
 
 def test_kernel_formats_come_from_the_c_signatures():
@@ -315,3 +318,36 @@ def test_kernel_formats_come_from_the_c_signatures():
     assert f"-DCL_MAXD={ew.MAXD}" in k.program.options
     assert "-DCL_OP_FLOOR_DIVIDE=4" in k.program.options
     assert k.program.name_expressions == (k.name_expression,)  # one instance per program
+
+
+def test_lean_mixed_launch_matches_contiguous_plan(monkeypatch):
+    """The lean path's mixed-dtype launch packs the same kernel, grid and arguments as
+    elementwise.contiguous_plan for every alignment mix (no GPU: the driver call is
+    recorded)."""
+    calls = []
+    monkeypatch.setattr(_launch, "_driver_launch", lambda *a: calls.append(a))
+    D = _dtypes.DTYPES
+    base = 1 << 24
+    for ta, tb, to in (("float32", "float16", "float32"), ("int64", "int32", "int64"),
+                       ("uint8", "float32", "float32"), ("bfloat16", "float64", "float64")):
+        a, b, o = D[ta], D[tb], D[to]
+        types = (o, a, b, o, o)
+        V = 16 // max(t.itemsize for t in types)
+        karr = ew.kernel("contig", 0, types, (V, True))
+        kscal = ew.kernel("contig", 0, types, (1, False))
+        for h, k in enumerate((karr, kscal), 1):
+            monkeypatch.setitem(k._fns, 0, h)
+        info = (types, karr, kscal, V, tuple(t.itemsize for t in types[:4]), 0, None)
+        for n in (1, 3, 7, 100, 1001):
+            for eo in range(3):
+                for ea in range(3):
+                    ptrs = [base + eo * o.itemsize, base + (1 << 20) + ea * a.itemsize,
+                            base + (2 << 20) + eo * b.itemsize, 0]
+                    k, grid, bp, sizes = ew.contiguous_plan(0, types, n, ptrs)
+                    calls.clear()
+                    _fast._launch_mixed(info, n, ptrs[0], ptrs[1], ptrs[2], 0, 0, 0)
+                    (f, gx, *_), = calls
+                    got = struct.unpack_from(k._struct.format, k._tls.bp[0])
+                    where = f"{ta}+{tb} n {n} offsets {eo} {ea}"
+                    assert f == k._fns[0] and gx == grid, where
+                    assert got[:4] == bp and got[-3:] == sizes, where

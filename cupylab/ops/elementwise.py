@@ -676,3 +676,4 @@ def _register():
 
 _register()
 _fast.bind(_kernel, BLOCK, streaming_smem_for, len(OPS), _ADD_MUL, same_dtype_result)
+_fast.bind_mixed(kernel, [_NAMES[i] for i in range(len(OPS))])
