@@ -559,9 +559,13 @@ def test_fast_path_taken_for_plain_contiguous_calls_only():
     x = cp.arange(1000, dtype=cp.float32)
     assert lean(0, x, x) is not _fast.MISS
     assert lean(0, x[::2], x[::2]) is _fast.MISS  # strided: general path
-    assert lean(0, x, x.astype(cp.float64)) is _fast.MISS  # mixed dtypes: general path
-    xi = cp.arange(1000, dtype=cp.int32)
-    assert lean(3, xi, xi) is _fast.MISS  # integer true division: float64, general path
+    r = lean(0, x, x.astype(cp.float64))  # mixed dtypes: the lean mixed path
+    assert r.dtype == cp.float64 and float(r[999]) == 1998.0
+    xi = cp.arange(1, 1001, dtype=cp.int32)
+    r = lean(3, xi, xi + 1)  # integer true division: float64, through the lean mixed path
+    assert r.dtype == cp.float64 and float(r[0]) == 0.5
+    assert lean(0, x, 2.0j) is _fast.MISS  # a complex scalar: general path
+    assert lean(1, xi.astype(cp.bool_), xi.astype(cp.bool_)) is _fast.MISS  # refused: general
     torch = pytest.importorskip("torch")
     t = torch.arange(1000.0, device="cuda")
     r = lean(5, t, t, 2.0, None, (False, False, True))
