@@ -4,11 +4,11 @@
 #      a fresh cache, timed; the cold and warm first call of a new dtype combination;
 #   2. the elementwise GPU tests and the conformance suite (NumPy and torch), plus the CPU
 #      tests of the same family;
-#   3. compute-sanitizer memcheck on a CuPy subset (mixed dtypes, every layout, edge values);
-#   4. cupylab-bench's mixed-dtype cases (--dtype a+b) at 2^24 and 2^26 elements against
+#   3. cupylab-bench's mixed-dtype cases (--dtype a+b) at 2^24 and 2^26 elements against
 #      cupy.add and torch.add, with GB/s on the bytes moved and the share of the ceiling;
+#   4. compute-sanitizer memcheck on a CuPy subset (mixed dtypes, every layout, edge values);
 # then a summary. Usage: scripts/gpu_check_numpy.sh [OUTDIR]   (default ./out; $OUT if set)
-# STEPS (default "precompile firstcall tests sanitizer bench") picks steps; T_PRE, T_TESTS, T_SAN, T_BENCH
+# STEPS (default "precompile firstcall tests bench sanitizer") picks steps; T_PRE, T_TESTS, T_SAN, T_BENCH
 # bound each step (seconds).
 set -u
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ mkdir -p "$OUTD"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$PWD/$OUTD/kernel-cache}
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-precompile firstcall tests sanitizer bench}
+STEPS=${STEPS:-precompile firstcall tests bench sanitizer}
 summary=()
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 t0=$(date +%s)
@@ -56,6 +56,15 @@ if has tests; then
   summary+=("  (elapsed $(( $(date +%s) - t0 )) s)")
 fi
 
+if has bench; then
+  # cupylab-bench with mixed-dtype cases (a+b: the inputs' dtypes; the output NumPy's promotion)
+  timeout ${T_BENCH:-120} $PY -m cupylab.bench run add --framework cupy --peers cupy,torch \
+    --dtype ${BENCH_DTYPES:-float32,float32+float16,float16+float32,int64+int32,float64+float32,bfloat16+float32,int32+float32} \
+    --size ${BENCH_SIZES:-2^24,2^26} --json "$OUTD/bench-mixed.json" > "$OUTD/bench-mixed.log" 2>&1
+  summary+=("mixed-dtype bench (rc=$?; peers' ratio = peer time / cupylab time, >1: cupylab faster):")
+  while IFS= read -r line; do summary+=("  $line"); done < <(grep -vE "^\s*$" "$OUTD/bench-mixed.log" | tail -n 40)
+fi
+
 SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
 if has sanitizer; then
   if command -v "$SAN" >/dev/null 2>&1; then
@@ -68,15 +77,6 @@ if has sanitizer; then
     summary+=("compute-sanitizer: not found")
   fi
   summary+=("  (elapsed $(( $(date +%s) - t0 )) s)")
-fi
-
-if has bench; then
-  # cupylab-bench with mixed-dtype cases (a+b: the inputs' dtypes; the output NumPy's promotion)
-  timeout ${T_BENCH:-120} $PY -m cupylab.bench run add --framework cupy --peers cupy,torch \
-    --dtype ${BENCH_DTYPES:-float32,float32+float16,float16+float32,int64+int32,float64+float32,bfloat16+float32,int32+float32} \
-    --size ${BENCH_SIZES:-2^24,2^26} --json "$OUTD/bench-mixed.json" > "$OUTD/bench-mixed.log" 2>&1
-  summary+=("mixed-dtype bench (rc=$?; peers' ratio = peer time / cupylab time, >1: cupylab faster):")
-  while IFS= read -r line; do summary+=("  $line"); done < <(grep -vE "^\s*$" "$OUTD/bench-mixed.log" | tail -n 40)
 fi
 
 printf '\n==== SUMMARY ====\n'
