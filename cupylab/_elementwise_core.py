@@ -161,7 +161,7 @@ class Call:
     the scalar kernel argument or 0), ``dtype`` (the computation dtype), ``shape``
     (broadcast), ``out`` (View), ``out_obj`` (what to return), ``kind`` (output framework),
     ``device``, ``stream``, ``size``, ``allocated`` (the output was allocated here) and
-    ``overlap`` (``out`` partially overlaps an input: with ``copy_on_overlap`` the caller
+    ``overlap`` (NumPy-style mode: ``out`` partially overlaps an input, so the caller
     computes into a temporary and copies).
     """
 

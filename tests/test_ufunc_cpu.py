@@ -351,3 +351,25 @@ def test_lean_mixed_launch_matches_contiguous_plan(monkeypatch):
                     where = f"{ta}+{tb} n {n} offsets {eo} {ea}"
                     assert f == k._fns[0] and gx == grid, where
                     assert got[:4] == bp and got[-3:] == sizes, where
+
+
+def test_precompile_cli_fills_the_cache_without_a_gpu(tmp_path):
+    """python -m cupylab precompile: the instances of every dtype pair compile into the cache
+    (NVRTC only); a second run finds them all cached; bad arguments exit 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "CUPYLAB_CACHE_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "cupylab", "precompile", "--arch", "sm_90", "--ops", "add",
+           "--dtypes", "float32,float16", "--no-scalars", "--jobs", "2"]
+    want = len(ew.instances(["add"], ["float32", "float16"], scalars=False))
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
+    assert f"{want} kernel instances for sm_90: {want} compiled, 0 already cached" in first
+    assert len(list(tmp_path.glob("*.clbin"))) == want
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
+    assert f"0 compiled, {want} already cached" in again
+    bad = subprocess.run(cmd[:6] + ["--ops", "power"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "unknown operator 'power'" in bad.stderr

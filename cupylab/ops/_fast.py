@@ -222,7 +222,7 @@ def _torch(op, x, y, z, out, allow):
                     or out.get_device() != dev):
                 return MISS
             optr = out.data_ptr()
-            nb = n * info[6]  # partial overlap with an input: the general path refuses
+            nb = n * info[6]  # partial overlap: the general path computes through a temporary
             if ((p0 != optr and -nb < p0 - optr < nb)
                     or (p1 and p1 != optr and -nb < p1 - optr < nb)
                     or (p2 and p2 != optr and -nb < p2 - optr < nb)):
