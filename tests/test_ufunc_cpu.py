@@ -338,11 +338,25 @@ def test_lean_mixed_launch_matches_contiguous_plan(monkeypatch):
         for h, k in enumerate((karr, kscal), 1):
             monkeypatch.setitem(k._fns, 0, h)
         info = (types, karr, kscal, V, tuple(t.itemsize for t in types[:4]), 0, None)
+        ft = (o, a, b, a, o)  # fused_add_mul with s of a's dtype
+        fkarr = ew.kernel("contig", 5, ft, (V, True))
+        fkscal = ew.kernel("contig", 5, ft, (1, False))
+        for h, k in enumerate((fkarr, fkscal), 3):
+            monkeypatch.setitem(k._fns, 0, h)
+        finfo = (ft, fkarr, fkscal, V, tuple(t.itemsize for t in ft[:4]), 0, None)
         for n in (1, 3, 7, 100, 1001):
             for eo in range(3):
                 for ea in range(3):
                     ptrs = [base + eo * o.itemsize, base + (1 << 20) + ea * a.itemsize,
                             base + (2 << 20) + eo * b.itemsize, 0]
+                    fptrs = ptrs[:3] + [base + (3 << 20) + eo * a.itemsize]
+                    k, grid, bp, sizes = ew.contiguous_plan(5, ft, n, fptrs)
+                    calls.clear()
+                    _fast._launch_mixed(finfo, n, *fptrs, 0, 0)
+                    (f, gx, *_), = calls
+                    got = struct.unpack_from(k._struct.format, k._tls.bp[0])
+                    assert f == k._fns[0] and gx == grid and got[:4] == bp
+                    assert got[-3:] == sizes
                     k, grid, bp, sizes = ew.contiguous_plan(0, types, n, ptrs)
                     calls.clear()
                     _fast._launch_mixed(info, n, ptrs[0], ptrs[1], ptrs[2], 0, 0, 0)
