@@ -387,3 +387,74 @@ def test_precompile_cli_fills_the_cache_without_a_gpu(tmp_path):
     assert f"0 compiled, {want} already cached" in again
     bad = subprocess.run(cmd[:6] + ["--ops", "power"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "unknown operator 'power'" in bad.stderr
+
+
+class FakeDeviceMemory:
+    """Real ``cupy.ndarray`` objects over made-up device addresses (never dereferenced), so
+    that the lean path's CuPy handlers run without a GPU; launches are recorded."""
+
+    def __init__(self, monkeypatch):
+        self.cp = pytest.importorskip("cupy")
+        self.next = 0x7F0000000000
+        self.calls = []
+        monkeypatch.setattr(_fast, "_get_device", lambda: 0)
+        monkeypatch.setattr(_fast, "_cupy_stream", lambda: types.SimpleNamespace(ptr=7))
+        monkeypatch.setattr(_fast, "_cupy_ndarray", lambda shape, dt: self.array(shape, dt))
+        monkeypatch.setattr(_launch.Kernel, "function", lambda self_, d: id(self_))
+        monkeypatch.setattr(_launch, "streaming_smem", lambda k, d: 0)
+        monkeypatch.setattr(_launch, "_driver_launch", self._record)
+
+        def no_general(*a, **k):
+            raise AssertionError("took the general path")
+
+        monkeypatch.setattr(ew, "_run", no_general)
+
+    def array(self, shape, dtype, offset=0):
+        cp = self.cp
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        mem = cp.cuda.UnownedMemory(self.next, n + 4096, None, device_id=0)
+        self.next += -(-(n + 4096) // (1 << 16)) * (1 << 16)  # 64 KiB-aligned bases
+        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset))
+
+    def _record(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        k = next(k for k in ew._kernels.values() if id(k) == f or f in k._fns.values())
+        self.calls.append((k.name_expression, struct.unpack_from(k._struct.format, k._tls.bp[0])))
+
+
+def test_lean_cupy_path_takes_mixed_dtypes(monkeypatch):
+    """Contiguous CuPy arrays of different dtypes (or an out of another dtype, or integer true
+    division) launch from the lean path, reading each operand in its own dtype; a partial
+    overlap, a scalar with mixed arrays or a refused combination go to the general path."""
+    fm = FakeDeviceMemory(monkeypatch)
+    x, y, o = fm.array((1000,), np.float32), fm.array((1000,), np.float16), fm.array((1000,), np.float32)
+    assert cupylab.add(x, y, out=o) is o
+    name, args = fm.calls[-1]
+    assert name == "cl::ew_contig<float, float, cl::half_t, float, float, 0, 4, true>"
+    assert args[:3] == (o.data.ptr, x.data.ptr, y.data.ptr) and args[-3:] == (250, 0, 0)
+    r = cupylab.divide(fm.array((10,), np.int32), fm.array((10,), np.int32))
+    assert r.dtype == np.float64 and fm.calls[-1][0] == (
+        "cl::ew_contig<double, int, int, double, double, 3, 2, true>")
+    o64 = fm.array((1000,), np.float64)
+    cupylab.add(x, x, out=o64)  # same dtypes, an out of another dtype
+    # NumPy computes float32 + float32 in float32, then casts into the float64 out
+    assert fm.calls[-1][0] == "cl::ew_contig<double, float, float, float, float, 0, 2, true>"
+    cupylab.fused_add_mul(x, y, y, out=o)
+    assert fm.calls[-1][0] == "cl::ew_contig<float, float, cl::half_t, cl::half_t, float, 5, 4, true>"
+    x1 = fm.array((999,), np.float32, offset=4)  # one element past the vector boundary
+    y1 = fm.array((999,), np.float16, offset=2)
+    o1 = fm.array((999,), np.float32, offset=4)
+    cupylab.add(x1, y1, out=o1)
+    name, args = fm.calls[-1]
+    assert name.endswith(", 4, true>") and args[-3:] == (249, 3, 0)
+    assert args[:3] == (o1.data.ptr + 12, x1.data.ptr + 12, y1.data.ptr + 6)
+    cupylab.add(x, x, out=o)  # same dtype: the lean same-dtype path
+    assert fm.calls[-1][0] == "cl::ew_contig<float, float, float, float, float, 0, 4, true>"
+    general = []
+    monkeypatch.setattr(ew, "_run", lambda *a, **k: general.append(a[0]) or "general")
+    assert cupylab.add(x, y, out=x) is x  # exactly in place: lean
+    big = fm.array((2000,), np.float32)
+    assert cupylab.add(big[1:1001], y, out=big[:1000]) == "general"  # partial overlap
+    assert cupylab.add(x, 2.0j) == "general"  # a complex scalar
+    b = fm.array((10,), np.bool_)
+    assert cupylab.subtract(b, b) == "general"  # refused: the general path raises
+    assert general == ["add", "add", "subtract"]
