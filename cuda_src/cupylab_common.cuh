@@ -77,4 +77,128 @@ template <> struct IsInt<long long> { static constexpr bool value = true; };
 template <typename T, int N>
 struct __align__(sizeof(T) * N) Vec { T v[N]; };
 
+// ---------------------------------------------------------------------------------------------
+// Every dtype NumPy's arithmetic takes: complex storage types, traits for all integer widths,
+// and cvt<To>(from), NumPy's astype() for one value.
+
+struct __align__(8) complex64_t { float re, im; };
+struct __align__(16) complex128_t { double re, im; };
+
+template <> struct Unsigned<signed char> { typedef unsigned char type; };
+template <> struct Unsigned<short> { typedef unsigned short type; };
+template <> struct IsInt<signed char> { static constexpr bool value = true; };
+template <> struct IsInt<short> { static constexpr bool value = true; };
+template <> struct IsInt<unsigned char> { static constexpr bool value = true; };
+template <> struct IsInt<unsigned short> { static constexpr bool value = true; };
+template <> struct IsInt<unsigned int> { static constexpr bool value = true; };
+template <> struct IsInt<unsigned long long> { static constexpr bool value = true; };
+
+template <typename T> struct IsSigned { static constexpr bool value = (T)-1 < (T)0; };
+template <> struct IsSigned<half_t> { static constexpr bool value = true; };
+template <> struct IsSigned<bf16_t> { static constexpr bool value = true; };
+template <> struct IsSigned<complex64_t> { static constexpr bool value = true; };
+template <> struct IsSigned<complex128_t> { static constexpr bool value = true; };
+
+template <typename T> struct IsComplex { static constexpr bool value = false; };
+template <> struct IsComplex<complex64_t> { static constexpr bool value = true; };
+template <> struct IsComplex<complex128_t> { static constexpr bool value = true; };
+
+template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
+template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
+
+// widen: a value in a type C++ converts from (16-bit floats become float; the rest stay).
+template <typename T> __device__ __forceinline__ T widen(T v) { return v; }
+__device__ __forceinline__ float widen(half_t v) { return to_acc<half_t>(v); }
+__device__ __forceinline__ float widen(bf16_t v) { return to_acc<bf16_t>(v); }
+
+// double -> float rounded to odd, so that a second rounding (to bfloat16) is correct.
+__device__ __forceinline__ float f32_round_odd(double d) {
+    float f = __double2float_rz(d);
+    if ((double)f != d && f == f) f = __uint_as_float(__float_as_uint(f) | 1u);
+    return f;
+}
+
+template <typename W> __device__ __forceinline__ half_t half_from(W w) {
+    return from_acc<half_t>((float)w);
+}
+__device__ __forceinline__ half_t half_from(double d) {
+    half_t h;
+    asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h.bits) : "d"(d));
+    return h;
+}
+__device__ __forceinline__ half_t half_from(long long w) { return half_from((double)w); }
+__device__ __forceinline__ half_t half_from(unsigned long long w) { return half_from((double)w); }
+
+template <typename W> __device__ __forceinline__ bf16_t bf16_from(W w) {
+    return from_acc<bf16_t>((float)w);
+}
+__device__ __forceinline__ bf16_t bf16_from(double d) { return from_acc<bf16_t>(f32_round_odd(d)); }
+__device__ __forceinline__ bf16_t bf16_from(int w) { return bf16_from((double)w); }
+__device__ __forceinline__ bf16_t bf16_from(unsigned int w) { return bf16_from((double)w); }
+__device__ __forceinline__ bf16_t bf16_from(long long w) { return bf16_from((double)w); }
+__device__ __forceinline__ bf16_t bf16_from(unsigned long long w) { return bf16_from((double)w); }
+
+// narrow: a widened value to the target storage type. Complex to real keeps the real part
+// (NumPy's unsafe cast); complex to bool tests both parts.
+// Floats to integers go through a 64-bit integer and wrap to the narrower type, as NumPy's C
+// casts do on x86-64 for values inside the 64-bit range (a direct float -> int8 conversion on
+// the GPU would saturate); beyond it the result is undefined in NumPy too.
+template <typename To> struct Narrow {
+    template <typename W> static __device__ __forceinline__ To run(W w) {
+        if constexpr (IsInt<To>::value && !IsInt<W>::value && !IsSame<W, bool>::value) {
+            if constexpr (sizeof(To) == 8 && !IsSigned<To>::value) {
+                return w >= (W)9223372036854775808.0 ? (To)w : (To)(long long)w;
+            } else {
+                return (To)(long long)w;
+            }
+        } else {
+            return (To)w;
+        }
+    }
+    static __device__ __forceinline__ To run(complex64_t w) { return run(w.re); }
+    static __device__ __forceinline__ To run(complex128_t w) { return run(w.re); }
+};
+template <> struct Narrow<bool> {
+    template <typename W> static __device__ __forceinline__ bool run(W w) { return w != (W)0; }
+    static __device__ __forceinline__ bool run(complex64_t w) { return w.re != 0 || w.im != 0; }
+    static __device__ __forceinline__ bool run(complex128_t w) { return w.re != 0 || w.im != 0; }
+};
+template <> struct Narrow<half_t> {
+    template <typename W> static __device__ __forceinline__ half_t run(W w) { return half_from(w); }
+    static __device__ __forceinline__ half_t run(complex64_t w) { return half_from(w.re); }
+    static __device__ __forceinline__ half_t run(complex128_t w) { return half_from(w.re); }
+};
+template <> struct Narrow<bf16_t> {
+    template <typename W> static __device__ __forceinline__ bf16_t run(W w) { return bf16_from(w); }
+    static __device__ __forceinline__ bf16_t run(complex64_t w) { return bf16_from(w.re); }
+    static __device__ __forceinline__ bf16_t run(complex128_t w) { return bf16_from(w.re); }
+};
+template <> struct Narrow<complex64_t> {
+    template <typename W> static __device__ __forceinline__ complex64_t run(W w) {
+        return complex64_t{(float)w, 0.0f};
+    }
+    static __device__ __forceinline__ complex64_t run(complex64_t w) { return w; }
+    static __device__ __forceinline__ complex64_t run(complex128_t w) {
+        return complex64_t{(float)w.re, (float)w.im};
+    }
+};
+template <> struct Narrow<complex128_t> {
+    template <typename W> static __device__ __forceinline__ complex128_t run(W w) {
+        return complex128_t{(double)w, 0.0};
+    }
+    static __device__ __forceinline__ complex128_t run(complex64_t w) {
+        return complex128_t{(double)w.re, (double)w.im};
+    }
+    static __device__ __forceinline__ complex128_t run(complex128_t w) { return w; }
+};
+
+template <typename To, typename From>
+__device__ __forceinline__ To cvt(From v) {
+    if constexpr (IsSame<To, From>::value) {
+        return v;
+    } else {
+        return Narrow<To>::run(widen(v));
+    }
+}
+
 }  // namespace cl

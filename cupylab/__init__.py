@@ -10,7 +10,8 @@ from ._errors import CompileError, CupylabError, NoGPUError
 from ._dtypes import ARITHMETIC as _ARITH
 from ._graph import Graph
 from .kernels import ElementwiseKernel, Kernel, KernelModule, KernelNotFoundError, load_kernels
-from .ops.elementwise import add, div, fused_add_mul, mul, prepare, sub, vector_add
+from .ops.elementwise import (add, div, divide, floor_divide, fused_add_mul, mul, multiply,
+                              prepare, sub, subtract, true_divide, vector_add)
 
 __version__ = "0.1.0"
 
@@ -18,7 +19,8 @@ __version__ = "0.1.0"
 dtypes = tuple(d.name for d in _ARITH)
 
 __all__ = [
-    "add", "sub", "mul", "div", "vector_add", "fused_add_mul", "prepare", "Graph",
+    "add", "subtract", "multiply", "divide", "true_divide", "floor_divide", "sub", "mul", "div",
+    "vector_add", "fused_add_mul", "prepare", "Graph",
     "load_kernels", "KernelModule", "Kernel", "ElementwiseKernel", "KernelNotFoundError",
     "CupylabError", "NoGPUError", "CompileError", "dtypes", "__version__",
 ]

@@ -59,17 +59,29 @@ class DType:
     # -- scalars ---------------------------------------------------------------------------
     def scalar_bits(self, value):
         """Convert a Python number to this dtype and return what a kernel parameter of this
-        C type holds (an int bit pattern for 16-bit floats, else the value itself).
+        C type holds: an int bit pattern for the 16-bit floats, the packed bytes of the two
+        parts for complex, a bool for bool, else the value itself.
 
-        Follows NumPy's rule for Python scalars (NEP 50): the scalar takes the array's dtype;
-        an int that does not fit an integer dtype raises ``OverflowError``.
+        Follows NumPy's rule for converting a Python scalar to an array's dtype (NEP 50): an
+        int that does not fit an integer dtype raises ``OverflowError``; floats round (to
+        +-inf past the largest finite value).
         """
-        if self.kind == "i":
+        k = self.kind
+        if k == "i" or k == "u":
             v = int(value)
-            lo = -(1 << (8 * self.itemsize - 1))
-            if not lo <= v < -lo:
+            bits = 8 * self.itemsize
+            lo, hi = (-(1 << (bits - 1)), 1 << (bits - 1)) if k == "i" else (0, 1 << bits)
+            if not lo <= v < hi:
                 raise OverflowError(f"Python integer {v} out of bounds for {self.name}")
             return v
+        if k == "b":
+            return bool(value)
+        if k == "c":
+            z = complex(value)
+            part = self.itemsize // 2
+            if part == 4:
+                return struct.pack("<ff", _round_f32(z.real), _round_f32(z.imag))
+            return struct.pack("<dd", z.real, z.imag)
         v = float(value)
         if self.name == "float16":
             try:
@@ -79,12 +91,16 @@ class DType:
         if self.name == "bfloat16":
             return _float_to_bf16_bits(v)
         if self.name == "float32":
-            # Round to float32 the way NumPy would (overflow to inf, not an error).
-            try:
-                return struct.unpack("<f", struct.pack("<f", v))[0]
-            except OverflowError:
-                return math.copysign(math.inf, v)
+            return _round_f32(v)
         return v
+
+
+def _round_f32(v: float) -> float:
+    """Round to float32 the way NumPy would (overflow to inf, not an error)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
 
 
 def _float_to_bf16_bits(v: float) -> int:
@@ -110,7 +126,7 @@ def _mk(*args):
     return DType(*args)
 
 
-#: Every dtype the normaliser understands, arithmetic or not.
+#: Every dtype cupylab understands; the arithmetic operators take them all.
 DTYPES = {
     d.name: d
     for d in (
@@ -120,21 +136,63 @@ DTYPES = {
         _mk("float64", 8, "double", "f", "<f8", (2, 64), "d", True),
         _mk("int32", 4, "int", "i", "<i4", (0, 32), "i", True),
         _mk("int64", 8, "long long", "i", "<i8", (0, 64), "q", True),
-        # Understood so that errors can name them; no arithmetic kernel takes them.
-        _mk("bool", 1, "bool", "b", "|b1", (6, 8), "?", False),
-        _mk("int8", 1, "signed char", "i", "|i1", (0, 8), "b", False),
-        _mk("int16", 2, "short", "i", "<i2", (0, 16), "h", False),
-        _mk("uint8", 1, "unsigned char", "u", "|u1", (1, 8), "B", False),
-        _mk("uint16", 2, "unsigned short", "u", "<u2", (1, 16), "H", False),
-        _mk("uint32", 4, "unsigned int", "u", "<u4", (1, 32), "I", False),
-        _mk("uint64", 8, "unsigned long long", "u", "<u8", (1, 64), "Q", False),
-        _mk("complex64", 8, "complex64", "c", "<c8", (5, 64), "", False),
-        _mk("complex128", 16, "complex128", "c", "<c16", (5, 128), "", False),
+        _mk("bool", 1, "bool", "b", "|b1", (6, 8), "?", True),
+        _mk("int8", 1, "signed char", "i", "|i1", (0, 8), "b", True),
+        _mk("int16", 2, "short", "i", "<i2", (0, 16), "h", True),
+        _mk("uint8", 1, "unsigned char", "u", "|u1", (1, 8), "B", True),
+        _mk("uint16", 2, "unsigned short", "u", "<u2", (1, 16), "H", True),
+        _mk("uint32", 4, "unsigned int", "u", "<u4", (1, 32), "I", True),
+        _mk("uint64", 8, "unsigned long long", "u", "<u8", (1, 64), "Q", True),
+        _mk("complex64", 8, "cl::complex64_t", "c", "<c8", (5, 64), "8s", True),
+        _mk("complex128", 16, "cl::complex128_t", "c", "<c16", (5, 128), "16s", True),
     )
 }
 
 #: The dtypes cupylab's arithmetic operators accept, in a stable order.
 ARITHMETIC = tuple(d for d in DTYPES.values() if d.arithmetic)
+
+# -- casting (numpy.can_cast for these dtypes, with ml_dtypes' rules for bfloat16) ------------
+_KIND_ORDER = {"b": 0, "u": 1, "i": 2, "f": 3, "c": 4}
+# the smallest float / complex item size that holds every value of an integer of n bytes
+_INT_TO_FLOAT = {1: 2, 2: 4, 4: 8, 8: 8}
+
+
+def _safe(a: "DType", b: "DType") -> bool:
+    if a is b or a.kind == "b":
+        return True
+    ka, kb = a.kind, b.kind
+    if ka in "iu":
+        if kb == "u":
+            return ka == "u" and b.itemsize >= a.itemsize
+        if kb == "i":
+            return b.itemsize >= a.itemsize + (ka == "u")
+        if kb == "f":
+            if b.name == "bfloat16":
+                return a.itemsize == 1  # 8 significant bits, like ml_dtypes says
+            return b.itemsize >= _INT_TO_FLOAT[a.itemsize]
+        return b.itemsize // 2 >= _INT_TO_FLOAT[a.itemsize]  # complex
+    if ka == "f":
+        if kb == "f":
+            if a.itemsize == 2 and b.itemsize == 2:
+                return False  # float16 and bfloat16 do not hold each other
+            return b.itemsize >= a.itemsize
+        return kb == "c" and b.itemsize // 2 >= a.itemsize
+    return kb == "c" and b.itemsize >= a.itemsize
+
+
+def can_cast(a: "DType", b: "DType", casting: str) -> bool:
+    """Whether a cast from ``a`` to ``b`` is allowed under NumPy's ``casting`` rule
+    (``"no"``, ``"equiv"``, ``"safe"``, ``"same_kind"``, ``"unsafe"``)."""
+    if casting == "unsafe" or a is b:
+        return True
+    if casting in ("no", "equiv"):
+        return False
+    if _safe(a, b):
+        return True
+    return casting == "same_kind" and _KIND_ORDER[a.kind] <= _KIND_ORDER[b.kind]
+
+
+CASTING = ("no", "equiv", "safe", "same_kind", "unsafe")
 
 _BY_TYPESTR = {}
 for _d in DTYPES.values():

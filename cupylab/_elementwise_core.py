@@ -158,16 +158,19 @@ class Call:
     """Everything an elementwise launch needs, validated.
 
     Attributes: ``views`` (per operand a View or None for scalars), ``scalars`` (per operand
-    the scalar bit pattern or 0), ``dtype``, ``shape`` (broadcast), ``out`` (View), ``out_obj``
-    (what to return), ``kind`` (output framework), ``device``, ``stream``, ``size``.
+    the scalar kernel argument or 0), ``dtype`` (the computation dtype), ``shape``
+    (broadcast), ``out`` (View), ``out_obj`` (what to return), ``kind`` (output framework),
+    ``device``, ``stream``, ``size``, ``allocated`` (the output was allocated here) and
+    ``overlap`` (NumPy-style mode: ``out`` partially overlaps an input, so the caller
+    computes into a temporary and copies).
     """
 
     __slots__ = ("views", "scalars", "dtype", "shape", "out", "out_obj", "kind", "device",
-                 "stream", "size", "allocated")
+                 "stream", "size", "allocated", "overlap")
 
 
 def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalars=None,
-                 dtype_check=None) -> Call:
+                 dtype_check=None, promote=None) -> Call:
     """Validate elementwise operands and produce a :class:`Call` (output allocated).
 
     Parameters
@@ -186,7 +189,21 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
     allow_scalars : sequence of bool
         Per operand, whether a scalar is accepted there.
     dtype_check : callable(DType) -> None
-        Raises for dtypes the operator does not support.
+        Raises for dtypes the operator does not support (no-promotion mode only).
+    promote : callable(rule, keys, out dtype) -> (computation dtype, result dtype), optional
+        NumPy-style mode (the arithmetic operators): arrays may differ in dtype, scalars may
+        be Python numbers, NumPy scalars or 0-d host arrays, and ``promote`` decides the
+        dtypes under the framework ``rule`` (``"numpy"``, ``"torch"``, ``"jax"``) from the
+        operand keys of :func:`cupylab._promotion.operand_key` (it also checks the casts).
+        ``out`` may then have another dtype, and a partial overlap sets ``Call.overlap``
+        instead of raising. Without it (``ElementwiseKernel``): every array must have one
+        dtype, scalars take it, ``out`` must have it.
+
+    Returns
+    -------
+    Call
+        Or ``None`` in NumPy-style mode when every operand is a scalar and there is no
+        ``out`` (the caller computes on the host).
     """
     names = names or [f"x{i}" for i in range(len(operands))]
     ops = list(operands)
@@ -196,19 +213,32 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
     for i, o in enumerate(ops):
         fn = _arrays.framework_of(o)
         if fn is None:
-            if _is_scalar(o):
+            if _is_scalar(o) or (promote is not None and _is_host_scalar(o)):
                 if allow_scalars is not None and not allow_scalars[i]:
                     raise TypeError(f"{name}: {names[i]} must be a GPU array (got a scalar {o!r})")
                 continue
+            if promote is not None and allow_scalars is not None and allow_scalars[i]:
+                raise TypeError(f"{name}: {names[i]} must be a GPU array or a Python scalar "
+                                f"(got {_arrays._what(o)})")
             raise _arrays._host_error(f"{name}: {names[i]}", o)
         fns[i] = fn
         if lead is None:
             lead = i
-    if lead is None:
+    if lead is None and promote is not None:
+        if out is None:
+            return None
+        ofn = _arrays.framework_of(out)
+        if ofn is None:
+            raise _arrays._host_error(f"{name}: out", out)
+        ops.append(out)  # the output leads (device, stream, rules); it is not read
+        names = list(names) + ["out"]
+        fns.append(ofn)
+        lead = n
+    elif lead is None:
         raise TypeError(f"{name}: at least one operand must be a GPU array (all are scalars)")
 
     deferred = _arrays.DEFERRED
-    views = [None] * n
+    views = [None] * len(ops)
     pending = False
     lead_dev = None
     for i, fn in enumerate(fns):
@@ -221,9 +251,10 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
             else:
                 views[i] = fn(ops[i], f"{name}: {names[i]}", None)
     # Everything that needs no GPU is checked before the runtime is touched.
+    kind = _kind_of(fns[lead])
     if not pending:
-        dt, scalars, shape = _validate(name, ops, views, names, dtype_check)
-        ov = _check_out_static(name, out, shape, dt) if out is not None else None
+        dt, scalars, shape, ov = _validate(name, ops, views, names, dtype_check, promote, out,
+                                           kind, n)
 
     # device: the first array's
     lv = views[lead]
@@ -233,7 +264,6 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
             device = _arrays.resolve_device(lv, None if lv.ptr else _runtime.current_device())
     else:
         device = lead_dev
-    kind = _kind_of(fns[lead])
 
     with _launch.ensure_device(device):
         if stream is None:
@@ -244,8 +274,9 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
             for i, fn in enumerate(fns):
                 if fn in deferred:
                     views[i] = _arrays.import_deferred(ops[i], fn, f"{name}: {names[i]}", s)
-            dt, scalars, shape = _validate(name, ops, views, names, dtype_check)
-            ov = _check_out_static(name, out, shape, dt) if out is not None else None
+            dt, scalars, shape, ov = _validate(name, ops, views, names, dtype_check, promote,
+                                               out, kind, n)
+        views = views[:n]
         for i, v in enumerate(views):
             if v is None:
                 continue
@@ -256,12 +287,13 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
         c = Call()
         c.views, c.scalars, c.dtype, c.shape, c.device, c.stream, c.kind = (
             views, scalars, dt, shape, device, s, kind)
+        c.overlap = False
         size = 1
         for e in shape:
             size *= e
         c.size = size
         if out is None:
-            c.out_obj = allocate(kind, shape, dt, device)
+            c.out_obj = allocate(kind, shape, ov, device)
             c.out = _arrays.as_view(c.out_obj, f"{name}: out")
             c.allocated = True
             if (kind == "torch" and stream is not None
@@ -272,13 +304,23 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
             if _arrays.resolve_device(ov, device) != device:
                 raise ValueError(
                     f"{name}: out is on cuda:{ov.device} but the inputs are on cuda:{device}")
-            check_overlap(name, ov, shape, views, names)
+            if promote is None:
+                check_overlap(name, ov, shape, views, names)
+            else:
+                try:
+                    check_overlap(name, ov, shape, views, names)
+                except ValueError:
+                    c.overlap = True
             c.out, c.out_obj, c.allocated = ov, out, False
         return c
 
 
-def _validate(name, ops, views, names, dtype_check):
-    """dtype agreement, the operator's dtype rule, scalars, broadcasting (no GPU needed)."""
+def _validate(name, ops, views, names, dtype_check, promote, out, kind, n):
+    """dtypes, the operator's dtype rule, scalars, broadcasting and the static ``out`` checks
+    (no GPU needed). Returns ``(computation dtype, scalars, shape, out view or result
+    dtype)``."""
+    if promote is not None:
+        return _validate_promote(name, ops, views, names, promote, out, kind, n)
     dt = None
     for i, v in enumerate(views):
         if v is None:
@@ -295,9 +337,58 @@ def _validate(name, ops, views, names, dtype_check):
     for i, o in enumerate(ops):
         if views[i] is None:
             scalars[i] = _scalar_for(name, names[i], o, dt)
+    shape = _shape_of(name, views)
+    ov = _check_out_static(name, out, shape, dt) if out is not None else dt
+    return dt, scalars, shape, ov
+
+
+def _shape_of(name, views):
     shapes = [v.shape for v in views if v is not None]
-    shape = shapes[0] if all(sh == shapes[0] for sh in shapes) else broadcast_shapes(shapes, name)
-    return dt, scalars, shape
+    return shapes[0] if all(sh == shapes[0] for sh in shapes) else broadcast_shapes(shapes, name)
+
+
+_RULE_OF_KIND = {"torch": "torch", "jax": "jax"}
+
+
+def _validate_promote(name, ops, views, names, promote, out, kind, n):
+    from ._promotion import operand_key  # noqa: PLC0415
+
+    ov = None
+    if out is not None:
+        ov = views[n] if len(views) > n else _arrays.as_view(out, f"{name}: out")
+    keys = tuple(operand_key(ops[i], views[i]) for i in range(n))
+    ct, res = promote(_RULE_OF_KIND.get(kind, "numpy"), keys, None if ov is None else ov.dtype)
+    scalars = [0] * n
+    for i in range(n):
+        if views[i] is None:
+            try:
+                scalars[i] = ct.scalar_bits(_host_value(ops[i]))
+            except OverflowError as e:
+                raise OverflowError(f"{name}: {names[i]}: {e}") from None
+    arr = [v for v in views[:n] if v is not None]
+    if arr:
+        shape = _shape_of(name, arr)
+    else:  # only scalars: they broadcast to out
+        shape = ov.shape
+    if ov is None:
+        return ct, scalars, shape, res
+    _check_out_static(name, out, shape, None, ov)
+    return ct, scalars, shape, ov
+
+
+def _host_value(v):
+    """A Python number from a Python/NumPy scalar or a 0-d host array."""
+    if type(v) in (int, float, bool, complex):
+        return v
+    return v.item()
+
+
+def _is_host_scalar(v):
+    """A NumPy scalar or a 0-d NumPy array (strong scalars in NumPy's rules)."""
+    tp = type(v)
+    if tp.__module__.split(".", 1)[0] not in ("numpy", "ml_dtypes"):
+        return False
+    return getattr(v, "shape", None) == () and hasattr(v, "dtype") and hasattr(v, "item")
 
 
 def _kind_of(fn):
@@ -320,16 +411,18 @@ def _scalar_for(name, pname, v, dt):
         raise OverflowError(f"{name}: {pname}: {e}") from None
 
 
-def _check_out_static(name, out, shape, dt):
-    """Checks on ``out`` that need no GPU: writable, shape, dtype, no zero strides."""
-    ov = _arrays.as_view(out, f"{name}: out")
+def _check_out_static(name, out, shape, dt, ov=None):
+    """Checks on ``out`` that need no GPU: writable, shape, dtype (when ``dt`` is given), no
+    zero strides."""
+    if ov is None:
+        ov = _arrays.as_view(out, f"{name}: out")
     if ov.readonly:
         raise ValueError(
             f"{name}: out is read-only ({ov.kind} array); JAX arrays are immutable, so pass no "
             "out= and use the returned array")
     if ov.shape != shape:
         raise ValueError(f"{name}: out has shape {ov.shape}, expected {shape}")
-    if ov.dtype is not dt:
+    if dt is not None and ov.dtype is not dt:
         raise TypeError(f"{name}: out has dtype {ov.dtype.name}, expected {dt.name}")
     if any(s == 0 and e > 1 for s, e in zip(ov.strides, ov.shape)) and 0 not in ov.shape:
         raise ValueError(f"{name}: out has zero strides (a broadcast view); it cannot be written")

@@ -1,5 +1,9 @@
 """Float64 NumPy references for every operator (used by the tests and by cupylab-bench).
 
+``div`` is the bench's division case (floor division for integers, so that the result keeps
+the operands' dtype); ``divide``/``true_divide`` is NumPy's true division (float64 for
+integers) and ``floor_divide`` NumPy's floor division.
+
 Each reference takes NumPy arrays (any dtype; they are computed in float64, or exactly in
 int64 for integers) and returns the float64/int64 result the kernel must match within the
 dtype's tolerance.
@@ -37,13 +41,25 @@ def _div(x, y):
         return x / y
 
 
+def _true_div(x, y):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(x, np.float64) / np.asarray(y, np.float64)
+
+
+def _floor_div(x, y):
+    x, y = _f(x), _f(y)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return np.floor_divide(x, y)
+
+
 def _fused_add_mul(a, b, s):
     return (_f(a) + _f(b)) * _f(s)
 
 
 REFERENCES = {
     "add": _add, "vector_add": _add, "sub": _sub, "mul": _mul, "div": _div,
-    "fused_add_mul": _fused_add_mul,
+    "fused_add_mul": _fused_add_mul, "subtract": _sub, "multiply": _mul, "divide": _true_div,
+    "true_divide": _true_div, "floor_divide": _floor_div,
 }
 
 
@@ -64,6 +80,8 @@ TOLERANCES = {
     "float64": (1e-13, 1e-13),
     "int32": (0, 0),
     "int64": (0, 0),
+    "complex64": (1e-6, 1e-6),
+    "complex128": (1e-13, 1e-13),
 }
 
 

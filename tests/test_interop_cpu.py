@@ -143,8 +143,9 @@ def test_adapter_cached_per_type():
 
 # -- dtypes ----------------------------------------------------------------------------------
 def test_dtype_table_and_aliases():
-    assert [d.name for d in _dtypes.ARITHMETIC] == ["float16", "bfloat16", "float32", "float64",
-                                                    "int32", "int64"]
+    assert [d.name for d in _dtypes.ARITHMETIC] == [
+        "float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "int8", "int16",
+        "uint8", "uint16", "uint32", "uint64", "complex64", "complex128"]
     assert _dtypes.from_name("bf16").name == "bfloat16"
     assert _dtypes.resolve(np.dtype("float16")).name == "float16"
     assert _dtypes.resolve("torch.int64").name == "int64"
@@ -188,7 +189,7 @@ def test_host_dlpack_producer_is_a_type_error_before_any_gpu_call(device_type, m
 
     monkeypatch.setattr(_runtime, "cupy", no_gpu)
     host = FakeDLPack((4,), device_type=device_type)
-    with pytest.raises(TypeError, match=r"add: x must be a CUDA device array .* got host data"):
+    with pytest.raises(TypeError, match=r"add: x1 must be a CUDA device array .* got host data"):
         cupylab.add(host, host)
     k = cupylab.load_kernels(source='extern "C" __global__ void f(const float* a, int n) {}')["f"]
     with pytest.raises(TypeError, match=r"a.* got host data"):
@@ -200,7 +201,7 @@ def test_host_dlpack_producer_is_a_type_error_before_any_gpu_call(device_type, m
 def test_non_arrays_are_named_not_arrays(bad, shown):
     import cupylab
 
-    with pytest.raises(TypeError, match=rf"add: x must be a CUDA device array .*got builtins\.{shown}, "
+    with pytest.raises(TypeError, match=rf"add: x1 must be a CUDA device array .*got builtins\.{shown}, "
                                         r"which is not an array"):
         cupylab.add(bad, FakeCAI((2,)))
 

@@ -154,7 +154,8 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
     session : Session
     spec : cupylab._registry.OpSpec
     dtype : str
-        Canonical dtype name.
+        Canonical dtype name, or ``a+b`` for a mixed-dtype case (the inputs' dtypes; the
+        output's is NumPy's promotion of them).
     shape : tuple of int
 
     Returns
@@ -167,17 +168,24 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
     from .. import _dtypes  # noqa: PLC0415
     from ..reference import reference  # noqa: PLC0415
 
-    dt = _dtypes.from_name(dtype)
     shape = tuple(int(e) for e in shape)
     n = math.prod(shape)
-    nbytes = spec.bytes(n, dt.itemsize)
-    res = result_template(spec.name, dt.name, shape, session.framework, nbytes, spec.flops(n))
+    in_dts = None
+    if "+" in dtype:  # a mixed-dtype case: the inputs' dtypes, the output by NumPy's rule
+        in_dts = _mixed_dtypes(spec, dtype)
+        dt = _mixed_result(spec, in_dts)
+        nbytes = n * (sum(d.itemsize for d in in_dts) + dt.itemsize)
+    else:
+        dt = _dtypes.from_name(dtype)
+        nbytes = spec.bytes(n, dt.itemsize)
+    res = result_template(spec.name, dtype if in_dts else dt.name, shape, session.framework,
+                          nbytes, spec.flops(n))
     fw = session.framework
     sets = None
     try:
         nsets = _operands.buffer_sets(nbytes, session.l2_bytes)
         sets = _operands.OperandSets(session.cp, dt, shape, spec.n_inputs, nsets,
-                                     with_out=fw != "jax")
+                                     with_out=fw != "jax", in_dts=in_dts)
         res["buffer_sets"] = nsets
         idx = _operands.sample_indices(n, session.rng)
         host = sets.host_inputs(0, idx)
@@ -219,6 +227,25 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
                                        res["notes"])
     _release(session, sets, nbytes)
     return res
+
+
+def _mixed_dtypes(spec, dtype):
+    """``a+b`` -> the inputs' DTypes (the last repeats for further inputs)."""
+    from .. import _dtypes  # noqa: PLC0415
+
+    ds = [_dtypes.from_name(p) for p in dtype.split("+")]
+    if len(ds) > spec.n_inputs:
+        raise ValueError(f"{spec.name} takes {spec.n_inputs} inputs; {dtype} names {len(ds)}")
+    return ds + [ds[-1]] * (spec.n_inputs - len(ds))
+
+
+def _mixed_result(spec, in_dts):
+    """The output dtype of a mixed-dtype case: NumPy's promotion of the inputs."""
+    from .. import _promotion  # noqa: PLC0415
+
+    keys = tuple(("a", d.name, False) for d in in_dts)
+    op = "fused_add_mul" if spec.n_inputs == 3 else "add"
+    return _promotion.resolve("numpy", op, keys)[1]
 
 
 def _bind(fn, ins, out):

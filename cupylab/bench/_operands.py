@@ -109,25 +109,31 @@ class OperandSets:
     with_out : bool
         Also allocate an output per set (filled with 0xFF bytes: NaN for floats, -1 for ints,
         so that a kernel that writes nothing fails the check).
+    in_dts : sequence of DType, optional
+        Per input, its dtype when the inputs differ (a mixed-dtype case); ``dt`` is then the
+        output's dtype.
     """
 
-    def __init__(self, cp, dt, shape, n_inputs, nsets, with_out=True):
+    def __init__(self, cp, dt, shape, n_inputs, nsets, with_out=True, in_dts=None):
         n = math.prod(shape)
         if n < 1:
             raise ValueError(f"cupylab-bench: shape {shape} has no elements")
         self.cp, self.dt, self.shape, self.n, self.nsets = cp, dt, tuple(shape), n, int(nsets)
-        align = max(1, ALIGN_BYTES // dt.itemsize)
+        self.in_dts = list(in_dts) if in_dts is not None else [dt] * n_inputs
+        align = max(1, ALIGN_BYTES // min(d.itemsize for d in self.in_dts + [dt]))
         self.stride = -(-n // align) * align
         total = self.nsets * self.stride
-        sdt = storage_dtype(dt)
         self.pools = []
-        for _ in range(n_inputs):
-            p = cp.empty(total, dtype=sdt)
-            fill_random(cp, p, dt)
+        self._pool_dt = {}
+        for d in self.in_dts:
+            p = cp.empty(total, dtype=storage_dtype(d))
+            fill_random(cp, p, d)
             self.pools.append(p)
+            self._pool_dt[id(p)] = d
         self.out_pool = None
         if with_out:
-            self.out_pool = cp.empty(total, dtype=sdt)
+            self.out_pool = cp.empty(total, dtype=storage_dtype(dt))
+            self._pool_dt[id(self.out_pool)] = dt
             cp.cuda.runtime.memsetAsync(self.out_pool.data.ptr, 0xFF, self.out_pool.nbytes,
                                         cp.cuda.get_current_stream().ptr)
         cp.cuda.runtime.deviceSynchronize()
@@ -140,11 +146,11 @@ class OperandSets:
         return sum(p.nbytes for p in self.pools) + out
 
     def _raw(self, pool, j, dtype):
-        off = j * self.stride * self.dt.itemsize
+        off = j * self.stride * self._pool_dt[id(pool)].itemsize
         return self.cp.ndarray(self.shape, dtype=dtype, memptr=pool.data + off)
 
     def _wrap(self, framework, pool, j):
-        dt = self.dt
+        dt = self._pool_dt[id(pool)]
         if framework == "cupy":
             return self._raw(pool, j, cupy_dtype(dt))
         raw = self._raw(pool, j, storage_dtype(dt))
@@ -192,9 +198,10 @@ class OperandSets:
         cp = self.cp
         out = []
         for p in self.pools:
-            raw = self._raw(p, j, storage_dtype(self.dt))
+            d = self._pool_dt[id(p)]
+            raw = self._raw(p, j, storage_dtype(d))
             host = cp.asnumpy(raw.reshape(-1)[cp.asarray(idx)])
-            if self.dt.name == "bfloat16":
+            if d.name == "bfloat16":
                 host = _bf16_bits_to_f32(host)
             out.append(host.astype(np.int64 if host.dtype.kind in "iu" else np.float64))
         return out
@@ -204,6 +211,7 @@ class OperandSets:
         self._cache.clear()
         self.pools = []
         self.out_pool = None
+        self._pool_dt = {}
 
 
 def _bf16_bits_to_f32(bits):

@@ -102,6 +102,8 @@ def _all_dtypes(OPS):
 
 
 def _select_dtypes(OPS, names):
+    """Canonical dtype names, or mixed-dtype cases written ``a+b`` (the inputs' dtypes in
+    order; the last one repeats for further inputs), e.g. ``float32+float16``."""
     from cupylab import _dtypes  # noqa: PLC0415
 
     names = _split(names)
@@ -110,17 +112,27 @@ def _select_dtypes(OPS, names):
         return valid
     out = []
     for n in names:
-        try:
-            d = _dtypes.from_name(n.lower()).name
-        except TypeError:
-            d = None
-        if d not in valid:
-            raise click.BadParameter(
-                f"unknown dtype {n!r}; valid dtypes: {', '.join(valid)} (or 'all'; aliases "
-                "such as fp32, bf16 are accepted)", param_hint="'--dtype'")
+        parts = []
+        for part in n.split("+"):
+            try:
+                d = _dtypes.from_name(part.strip().lower()).name
+            except TypeError:
+                d = None
+            if d not in valid:
+                raise click.BadParameter(
+                    f"unknown dtype {part!r}; valid dtypes: {', '.join(valid)} (or 'all'; "
+                    "aliases such as fp32, bf16 are accepted; mixed inputs as a+b, e.g. "
+                    "float32+float16)", param_hint="'--dtype'")
+            parts.append(d)
+        d = "+".join(parts)
         if d not in out:
             out.append(d)
     return out
+
+
+def _takes(spec, d):
+    """Whether the registered case ``spec`` runs dtype (or ``a+b`` dtype mix) ``d``."""
+    return all(p in spec.dtypes for p in d.split("+"))
 
 
 _POW = re.compile(r"^2(?:\^|\*\*)(\d+)$")
@@ -426,8 +438,8 @@ def run_cmd(ctx, ops, dtype, size, framework, peers, compile_, repeat, batch, js
     peer_list = _select_peers(peers, compile_)
     _check_out_path(json_path, "'--json'")
     _check_out_path(csv_path, "'--csv'")
-    cases = [(s, d, sh) for s in specs for d in dtypes if d in s.dtypes for sh in shapes]
-    skipped = [(s.name, d) for s in specs for d in dtypes if d not in s.dtypes]
+    cases = [(s, d, sh) for s in specs for d in dtypes if _takes(s, d) for sh in shapes]
+    skipped = [(s.name, d) for s in specs for d in dtypes if not _takes(s, d)]
     if not cases:
         raise click.UsageError("no case to run: none of the chosen operators supports "
                                f"{', '.join(dtypes)}")

@@ -1,0 +1,104 @@
+"""``python -m cupylab precompile``: fill the kernel cache ahead of time, without a GPU.
+
+NVRTC needs no GPU, so a container build or a login node can compile the kernel instances a
+job will use for the cluster's architecture into the cache directory (``$CUPYLAB_CACHE_DIR``;
+nodes that share it then load instead of compiling)::
+
+    python -m cupylab precompile --arch sm_90
+    python -m cupylab precompile --arch sm_80 --ops add,divide --dtypes float32,float16,int64
+
+It compiles, for each operator, every pair of the given dtypes (contiguous, element-wise and
+strided variants; row and scalar variants too), as :func:`cupylab.ops.elementwise.instances`
+lists them, in parallel processes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def _compile_one(args):
+    from cupylab import _compile, _dtypes  # noqa: PLC0415
+    from cupylab.ops import elementwise as ew  # noqa: PLC0415
+
+    (variant, op, names, extra), cc = args
+    types = tuple(_dtypes.from_name(n) for n in names)
+    k = ew.kernel(variant, op, types, tuple(extra))
+    before = _compile.stats["compiled"]
+    _compile.compile_program(k.program, cc)
+    return _compile.stats["compiled"] - before
+
+
+def _arch(text):
+    t = text.lower().removeprefix("sm_").removeprefix("compute_")
+    if not t.isdigit():
+        raise argparse.ArgumentTypeError(f"--arch must look like sm_90 (got {text!r})")
+    return int(t)
+
+
+def _list(text):
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def precompile(argv):
+    from cupylab import _compile, _dtypes  # noqa: PLC0415
+    from cupylab.ops import elementwise as ew  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(prog="python -m cupylab precompile",
+                                description="Compile elementwise kernel instances into the "
+                                            "cache directory (no GPU needed).")
+    p.add_argument("--arch", type=_arch, required=True, help="target, e.g. sm_90 or sm_80")
+    p.add_argument("--ops", type=_list, default=[o for o in ew.PUBLIC_OPS if o != "true_divide"],
+                   help=f"comma-separated operators (default: all of {', '.join(ew.PUBLIC_OPS)})")
+    p.add_argument("--dtypes", type=_list, default=[d.name for d in _dtypes.ARITHMETIC],
+                   help="comma-separated dtypes whose pairs are compiled (default: all 15)")
+    p.add_argument("--rules", type=_list, default=["numpy"],
+                   help="promotion rules to compile for: numpy, torch, jax (default: numpy)")
+    p.add_argument("--no-scalars", action="store_true",
+                   help="skip the variants with a Python scalar operand")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="parallel compiler processes (default: the CPU count)")
+    a = p.parse_args(argv)
+    for o in a.ops:
+        if o not in ew.PUBLIC_OPS:
+            p.error(f"--ops: unknown operator {o!r}; known: {', '.join(ew.PUBLIC_OPS)}")
+    try:
+        dtypes = [_dtypes.from_name(d).name for d in a.dtypes]
+    except TypeError as e:
+        p.error(f"--dtypes: {e}")
+    for r in a.rules:
+        if r not in ("numpy", "torch", "jax"):
+            p.error(f"--rules: unknown rule {r!r}; known: numpy, torch, jax")
+        if r != "numpy":
+            __import__("torch" if r == "torch" else "jax")
+    todo = [((v, op, tuple(t.name for t in types), tuple(extra)), a.arch)
+            for v, op, types, extra in ew.instances(a.ops, dtypes, a.rules, not a.no_scalars)]
+    t0 = time.perf_counter()
+    if a.jobs > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(a.jobs) as ex:
+            compiled = sum(ex.map(_compile_one, todo, chunksize=8))
+    else:
+        compiled = sum(_compile_one(x) for x in todo)
+    dt = time.perf_counter() - t0
+    print(f"cupylab precompile: {len(todo)} kernel instances for sm_{a.arch}: {compiled} "
+          f"compiled, {len(todo) - compiled} already cached, {dt:.1f} s, into {_compile.cache_dir()}")
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    if argv[0] != "precompile":
+        print(f"python -m cupylab: unknown command {argv[0]!r} (commands: precompile)",
+              file=sys.stderr)
+        return 2
+    return precompile(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
