@@ -93,12 +93,13 @@ struct Unscale : OpBase {
 // ---------------------------------------------------------------------------------------------
 // optimizers. Common: p[0] lr (device float32, else s[0]), p[2] found_inf (device float32:
 // nonzero skips the whole step), p[3] grad scale (device float32: grads are divided by it).
+template <typename C>
 struct StepCommon {
-    float lr, inv_gs;
+    C lr, inv_gs;
     __device__ __forceinline__ bool common(const Args& a) {
         if (a.p[2] && *reinterpret_cast<const float*>(a.p[2]) != 0.0f) return false;
-        lr = dev_scalar<float>(a.p[0], a.s[0]);
-        inv_gs = a.p[3] ? 1.0f / *reinterpret_cast<const float*>(a.p[3]) : 1.0f;
+        lr = dev_scalar<C>(a.p[0], a.s[0]);
+        inv_gs = a.p[3] ? C(1) / (C)*reinterpret_cast<const float*>(a.p[3]) : C(1);
         return true;
     }
 };
@@ -109,23 +110,27 @@ struct StepCommon {
 // 6 sqrt(bias_correction2), 7 maximize. p[1]: device float32 step (bias corrections computed
 // here, from the device lr and step).
 template <typename P, typename S, bool MASTER, bool ADAMW>
-struct Adam : OpBase, StepCommon {
+struct Adam : OpBase, StepCommon<typename Comp<P>::type> {
     typedef P L0;
     typedef P L1;
     typedef S L2;
     typedef S L3;
-    typedef float C;
+    typedef typename Comp<P>::type C;
+    typedef StepCommon<C> Base;
+    using Base::lr;
+    using Base::inv_gs;
+    using Base::common;
     static constexpr int NL = 5;
     static constexpr unsigned READ = MASTER ? 0x1Eu : 0x0Fu;
     static constexpr unsigned WRITE = MASTER ? 0x1Du : 0x0Du;
-    float b1, b2, eps, wd, step_size, bc2s;
+    C b1, b2, eps, wd, step_size, bc2s;
     bool maximize;
     __device__ __forceinline__ bool prepare(const Args& a) {
         if (!common(a)) return false;
-        b1 = (float)a.s[1];
-        b2 = (float)a.s[2];
-        eps = (float)a.s[3];
-        wd = (float)a.s[4];
+        b1 = (C)a.s[1];
+        b2 = (C)a.s[2];
+        eps = (C)a.s[3];
+        wd = (C)a.s[4];
         maximize = a.s[7] != 0.0;
         const double lrd = a.p[0] ? (double)lr : a.s[0];
         double bc1, b2s;
@@ -137,21 +142,21 @@ struct Adam : OpBase, StepCommon {
             bc1 = a.s[5];
             b2s = a.s[6];
         }
-        step_size = (float)(lrd / bc1);
-        bc2s = (float)b2s;
+        step_size = (C)(lrd / bc1);
+        bc2s = (C)b2s;
         return true;
     }
-    __device__ __forceinline__ void operator()(float (&v)[5]) const {
-        float p = MASTER ? v[4] : v[0];
-        float g = v[1] * inv_gs;
+    __device__ __forceinline__ void operator()(C (&v)[5]) const {
+        C p = MASTER ? v[4] : v[0];
+        C g = v[1] * inv_gs;
         if (maximize) g = -g;
         if (wd != 0.0f) {
             if (ADAMW) p -= lr * wd * p;
             else g += wd * p;
         }
-        const float m = b1 * v[2] + (1.0f - b1) * g;
-        const float s = b2 * v[3] + (1.0f - b2) * g * g;
-        const float denom = sqrtf(s) / bc2s + eps;
+        const C m = b1 * v[2] + (1.0f - b1) * g;
+        const C s = b2 * v[3] + (1.0f - b2) * g * g;
+        const C denom = sqrt(s) / bc2s + eps;
         p -= step_size * m / denom;
         v[0] = p;
         v[2] = m;
@@ -164,33 +169,37 @@ struct Adam : OpBase, StepCommon {
 // 2 momentum buffer (S; MOM only), 3 fp32 master. s: 0 lr, 1 momentum, 2 dampening,
 // 3 weight_decay, 4 nesterov, 5 maximize, 6 first step (buffer := gradient).
 template <typename P, typename S, bool MASTER, bool MOM>
-struct Sgd : OpBase, StepCommon {
+struct Sgd : OpBase, StepCommon<typename Comp<P>::type> {
     typedef P L0;
     typedef P L1;
     typedef S L2;
-    typedef float C;
+    typedef typename Comp<P>::type C;
+    typedef StepCommon<C> Base;
+    using Base::lr;
+    using Base::inv_gs;
+    using Base::common;
     static constexpr int NL = 4;
     static constexpr unsigned READ = 0x2u | (MOM ? 0x4u : 0u) | (MASTER ? 0x8u : 0x1u);
     static constexpr unsigned WRITE = 0x1u | (MOM ? 0x4u : 0u) | (MASTER ? 0x8u : 0u);
-    float mom, damp, wd;
+    C mom, damp, wd;
     bool nesterov, maximize, first;
     __device__ __forceinline__ bool prepare(const Args& a) {
         if (!common(a)) return false;
-        mom = (float)a.s[1];
-        damp = (float)a.s[2];
-        wd = (float)a.s[3];
+        mom = (C)a.s[1];
+        damp = (C)a.s[2];
+        wd = (C)a.s[3];
         nesterov = a.s[4] != 0.0;
         maximize = a.s[5] != 0.0;
         first = a.s[6] != 0.0;
         return true;
     }
-    __device__ __forceinline__ void operator()(float (&v)[5]) const {
-        float p = MASTER ? v[3] : v[0];
-        float g = v[1] * inv_gs;
+    __device__ __forceinline__ void operator()(C (&v)[5]) const {
+        C p = MASTER ? v[3] : v[0];
+        C g = v[1] * inv_gs;
         if (maximize) g = -g;
         if (wd != 0.0f) g += wd * p;
         if (MOM) {
-            const float b = first ? g : mom * v[2] + (1.0f - damp) * g;
+            const C b = first ? g : mom * v[2] + (1.0f - damp) * g;
             v[2] = b;
             g = nesterov ? g + mom * b : b;
         }
@@ -204,30 +213,34 @@ struct Sgd : OpBase, StepCommon {
 // m = b2 m + (1 - b2) g. Slots: 0 param, 1 grad, 2 exp_avg (S), 3 fp32 master.
 // s: 0 lr, 1 beta1, 2 beta2, 3 weight_decay, 4 maximize.
 template <typename P, typename S, bool MASTER>
-struct Lion : OpBase, StepCommon {
+struct Lion : OpBase, StepCommon<typename Comp<P>::type> {
     typedef P L0;
     typedef P L1;
     typedef S L2;
-    typedef float C;
+    typedef typename Comp<P>::type C;
+    typedef StepCommon<C> Base;
+    using Base::lr;
+    using Base::inv_gs;
+    using Base::common;
     static constexpr int NL = 4;
     static constexpr unsigned READ = 0x6u | (MASTER ? 0x8u : 0x1u);
     static constexpr unsigned WRITE = 0x5u | (MASTER ? 0x8u : 0u);
-    float b1, b2, wd;
+    C b1, b2, wd;
     bool maximize;
     __device__ __forceinline__ bool prepare(const Args& a) {
         if (!common(a)) return false;
-        b1 = (float)a.s[1];
-        b2 = (float)a.s[2];
-        wd = (float)a.s[3];
+        b1 = (C)a.s[1];
+        b2 = (C)a.s[2];
+        wd = (C)a.s[3];
         maximize = a.s[4] != 0.0;
         return true;
     }
-    __device__ __forceinline__ void operator()(float (&v)[5]) const {
-        float p = MASTER ? v[3] : v[0];
-        float g = v[1] * inv_gs;
+    __device__ __forceinline__ void operator()(C (&v)[5]) const {
+        C p = MASTER ? v[3] : v[0];
+        C g = v[1] * inv_gs;
         if (maximize) g = -g;
-        const float c = b1 * v[2] + (1.0f - b1) * g;
-        const float u = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
+        const C c = b1 * v[2] + (1.0f - b1) * g;
+        const C u = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
         p = p * (1.0f - lr * wd) - lr * u;
         v[2] = b2 * v[2] + (1.0f - b2) * g;
         v[0] = p;

@@ -5,10 +5,11 @@ Table layout (see ``cuda_src/cupylab_multi_tensor.cuh``): per tensor ``NL`` data
 (0 for an absent slot) and ``n | ALIGNED_BIT``; per block an ``int2`` ``(tensor, chunk)``;
 per tensor an ``int2`` ``[first block, end block)`` into the norm partials. Tensors are grouped
 by their dtypes (one launch per group); one upload of one buffer per list, on the caller's
-stream; per call the host packs 15 numbers per group and launches. Chunks of ``chunk``
-elements (a power of two between :data:`MIN_CHUNK` and :data:`MAX_CHUNK`, chosen so that the
-launch has at least about 16 blocks per SM) make one block each, so a huge tensor and a
-thousand tiny ones spread over the SMs alike. Element offsets are 64-bit.
+stream (synchronised once, when the list is first seen); per call the host packs 15 numbers
+per group and launches. Chunks of ``chunk`` elements (a power of two between
+:data:`MIN_CHUNK` and :data:`MAX_CHUNK`, chosen so that the launch has at least about 16
+blocks per SM) make one block each, so a huge tensor and a thousand tiny ones spread over the
+SMs alike. Element offsets are 64-bit.
 
 Cache: keyed on the identity of the arrays (``id``) plus, for torch, their data pointers (a
 tensor's storage can be swapped under the same object); each entry holds weak references to
@@ -190,12 +191,8 @@ class Plan:
                  "stream", "partial", "scratch", "refs", "__weakref__")
 
     def workspace(self):
-        """(partials, scratch): float64 per block, 4 float32 (clip factor); allocated once."""
-        if self.partial is None:
-            cp = _runtime.cupy()
-            with cp.cuda.Device(self.device), cp.cuda.ExternalStream(self.stream):
-                self.partial = cp.empty(max(self.nblocks, 1), dtype=cp.float64)
-                self.scratch = cp.zeros(4, dtype=cp.float32)
+        """Device addresses ``(partials, scratch)``: one float64 per block for the norms, and
+        16 bytes (the clip factor), inside the plan's buffer."""
         return self.partial, self.scratch
 
 
@@ -247,15 +244,21 @@ def build(slot_views, sizes, device, kind, stream, chunk=None):
     import numpy as np  # noqa: PLC0415
 
     host = np.frombuffer(blob, dtype=np.uint8)
+    ws_off = -(-len(blob) // 16) * 16  # then the workspace: partials (float64) and scratch
+    total = ws_off + 8 * max(nblocks, 1) + 16
     with cp.cuda.Device(device), cp.cuda.ExternalStream(stream):
-        buf = cp.empty(max(len(blob), 8), dtype=cp.uint8)
+        buf = cp.empty(total, dtype=cp.uint8)
         if blob:
             cp.cuda.runtime.memcpyAsync(buf.data.ptr, host.ctypes.data, len(blob), 1, stream)
+        # The one host synchronisation of a list's life: the table must be on the device before
+        # any stream uses it, and later calls (other streams, CUDA graph capture) then need no
+        # event between the upload and their launch.
+        cp.cuda.runtime.streamSynchronize(stream)
     base = buf.data.ptr
     plan = Plan()
     plan.device, plan.kind, plan.n, plan.sizes, plan.chunk = device, kind, len(sizes), sizes, chunk
     plan.nblocks, plan.buf, plan.stream, plan.tb_ptr = nblocks, buf, stream, base + tb_off
-    plan.partial = plan.scratch = None
+    plan.partial, plan.scratch = base + ws_off, base + ws_off + 8 * max(nblocks, 1)
     plan.refs = None
     plan.groups = []
     for sig, idx, toff, moff, nb, first in groups:
@@ -268,9 +271,6 @@ def build(slot_views, sizes, device, kind, stream, chunk=None):
 
 def launch(plan, kernel_for, args, stream):
     """Launch ``kernel_for(group signature)`` once per non-empty group."""
-    if stream != plan.stream:
-        _launch.wait_for(stream, plan.stream, plan.device)  # the table upload
-        plan.stream = stream
     for g in plan.groups:
         if g.nblocks:
             kernel_for(g.sig).launch(plan.device, g.nblocks, BLOCK, stream,

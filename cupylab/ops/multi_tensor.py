@@ -113,7 +113,7 @@ def _check_aliasing(opname, names, slot_views, writes, inplace_pairs=()):
         end = max(end, s[1])
 
 
-def _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs):
+def _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs=(), free=()):
     n, lead = None, None
     for k, lst in enumerate(lists):
         if lst is None:
@@ -128,6 +128,7 @@ def _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs):
                              f"has {n}; the lists must have the same length")
     if not n:
         return None
+    lead = next(k for k, lst in enumerate(lists) if lst is not None and k not in free)
     obj0 = lists[lead][0]
     fn0 = _arrays.framework_of(obj0)
     if fn0 is None:
@@ -143,7 +144,7 @@ def _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs):
             fn = _arrays.framework_of(o)
             if fn is None:
                 raise _arrays._host_error(f"{opname}: {names[k]}[{i}]", o)
-            if fn is not fn0:
+            if fn is not fn0 and k not in free:
                 raise TypeError(
                     f"{opname}: {names[k]}[{i}] is a {_KINDS.get(fn, 'CAI/DLPack')} array but "
                     f"{names[lead]}[0] is a {kind} array; one call takes arrays of one framework")
@@ -162,7 +163,7 @@ def _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs):
             if lst is None:
                 slot_views.append(None)
                 continue
-            vs = [fn0(o, f"{opname}: {names[k]}[{i}]", s) for i, o in enumerate(lst)]
+            vs = [fn(o, f"{opname}: {names[k]}[{i}]", s) for fn, o in zip(fns[k], lst)]
             slot_views.append(vs)
             written = (writes >> k) & 1
             for i, v in enumerate(vs):
@@ -200,22 +201,23 @@ def _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs):
     return plan, s
 
 
-def resolve(opname, names, lists, writes, *, same_dtype=None, stream=None, inplace_pairs=()):
+def resolve(opname, names, lists, writes, *, same_dtype=None, stream=None, inplace_pairs=(),
+            free=()):
     """The plan and stream for one call (validated and built on a cache miss).
 
     ``lists``: per slot a list of arrays or ``None``; ``writes``: bit mask of written slots;
     ``same_dtype``: slots whose dtype must equal the lead slot's (default: all);
-    ``inplace_pairs``: frozensets of two slots that may hold the same array at one position.
+    ``free``: slots whose arrays may come from another framework (outputs allocated here).
     Returns ``(plan, stream)``, or ``(None, None)`` for empty lists."""
     if same_dtype is None:
         same_dtype = range(len(lists))
-    key = cache_key(lists, writes) if stream is None else None
+    key = cache_key(lists, (writes, tuple(same_dtype), tuple(free))) if stream is None else None
     if key is not None:
         plan = P.cache_get(key)
         if plan is not None:
             with _launch.ensure_device(plan.device):
                 return plan, _launch.current_stream(plan.kind, plan.device)
-    r = _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs)
+    r = _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs, free)
     if r is None:
         return None, None
     if key is not None:
@@ -273,7 +275,7 @@ def _finish_list(plan, outs, stream):
     return [finish_output(plan.kind, o, stream, plan.device) for o in outs]
 
 
-def _binary(opname, xs, other, out, stream, list_op, scalar_op, alpha=None):
+def _binary(opname, xs, other, out, stream, list_op, scalar_op, alpha=None, free=()):
     inplace = out is None
     if isinstance(other, (list, tuple)):
         op = list_op
@@ -286,8 +288,7 @@ def _binary(opname, xs, other, out, stream, list_op, scalar_op, alpha=None):
     else:
         raise TypeError(f"{opname}: other must be a list of GPU arrays or a Python number "
                         f"(got {type(other).__module__}.{type(other).__qualname__})")
-    plan, s = resolve(opname, names, lists, 1, stream=stream,
-                      inplace_pairs=() if inplace else (frozenset((0, 1)),))
+    plan, s = resolve(opname, names, lists, 1, stream=stream, free=free)
     if plan is None:
         return None
     with _launch.ensure_device(plan.device):
@@ -308,7 +309,7 @@ def _out_of_place(opname, xs, other, out, stream, list_op, scalar_op, alpha=None
         plan, s = resolve(opname, ["tensors"], [xs], 0, stream=stream)
         with _launch.ensure_device(plan.device):
             out = _alloc_like(opname, xs, plan)
-        _binary(opname, xs, other, out, stream, list_op, scalar_op, alpha)
+        _binary(opname, xs, other, out, stream, list_op, scalar_op, alpha, free=(0,))
         return _finish_list(plan, out, s)
     _binary(opname, xs, other, out, stream, list_op, scalar_op, alpha)
     return out
@@ -406,7 +407,7 @@ def lerp(tensors, ends, weight, *, out=None, stream=None):
     else:
         fresh = False
     plan, s = resolve("foreach.lerp", ["out", "tensors", "ends"], [out, tensors, ends], 1,
-                      stream=stream, inplace_pairs=(frozenset((0, 1)),))
+                      stream=stream, free=(0,) if fresh else ())
     with _launch.ensure_device(plan.device):
         P.launch(plan, _ew_kernel("lerp", False), _args((weight,)), s)
     return _finish_list(plan, out, s) if fresh else out
@@ -435,11 +436,7 @@ _FINISH_FMTS = ("Q", "i", "Q", "i", "Q", "Q", "Q", "d", "d")
 
 
 def _norm_launch(plan, s, per_tensor_ptr, total_ptr, coef_ptr, max_norm=0.0, eps=0.0):
-    partial, _ = plan.workspace()
-    base = partial.data.ptr
-    if s != plan.stream:
-        _launch.wait_for(s, plan.stream, plan.device)
-        plan.stream = s
+    base, _ = plan.workspace()
     for g in plan.groups:
         if g.nblocks:
             k = P.kernel("norm", f"cl::mt::mt_sumsq<{P.CT[g.sig[0]]}>", _SUMSQ_FMTS)
@@ -532,8 +529,7 @@ def clip_by_global_norm_(tensors, max_norm, *, eps=1e-6, stream=None):
         raise ValueError("foreach.clip_by_global_norm_: tensors is empty")
     with _launch.ensure_device(plan.device):
         out = _new(plan, (), _result_dtype(plan))
-        _, scratch = plan.workspace()
-        coef = scratch.data.ptr
+        _, coef = plan.workspace()
         _norm_launch(plan, s, 0, _arrays.as_view(out).ptr, coef, max_norm, eps)
         P.launch(plan, _ew_kernel("mul_scalar", True), _args((0.0, 1.0), (coef,)), s)
     return finish_output(plan.kind, out, s, plan.device) if plan.kind not in ("torch", "cupy") \
