@@ -311,3 +311,24 @@ def test_lion_functional_and_found_inf():
     assert all(bool((a == b).all()) for a, b in zip(p, before)) and float(step[0]) == 3.0
     optim.increment_step_(step)
     assert float(step[0]) == 4.0
+
+
+def test_clip_is_captured_in_a_cuda_graph():
+    """A host synchronisation inside capture fails it: clip_by_global_norm_ has none."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xs = [torch.randn(s, generator=g, device="cuda") for s in (3, 5000, 0, 70001)]
+    want = [x.double() for x in xs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        foreach.clip_by_global_norm_(xs, 1e9)  # builds the table outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        total = foreach.clip_by_global_norm_(xs, 1.0)
+    graph.replay()
+    norm = float(torch.sqrt(sum((w ** 2).sum() for w in want)))
+    assert float(total) == pytest.approx(norm, rel=1e-5)
+    for x, w in zip(xs, want):
+        torch.testing.assert_close(x.double(), w * (1.0 / (norm + 1e-6)), rtol=1e-5, atol=1e-7)
