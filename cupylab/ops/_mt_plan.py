@@ -303,7 +303,10 @@ def cache_get(key):
 def cache_put(key, plan, objects):
     """Store ``plan`` under ``key``; it is dropped as soon as any of ``objects`` dies."""
     cb = _evict(key)
-    plan.refs = [weakref.ref(o, cb) for o in objects]
+    try:
+        plan.refs = [weakref.ref(o, cb) for o in objects]
+    except TypeError:  # an array type without weak references: not cached
+        return
     with _lock:
         stats["misses"] += 1
         _cache[key] = plan
