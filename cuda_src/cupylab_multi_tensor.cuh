@@ -1,5 +1,5 @@
-// The multi-tensor launcher's device side: one kernel template, `mt_apply<Op>`, walks lists of
-// tensors through a device-side table that the host builds once per list and reuses.
+// The multi-tensor launcher's device side: one kernel template, `mt_apply<Op, U>`, walks
+// lists of tensors through a device-side table that the host builds once per list and reuses.
 //
 // Table (int64 words, built by cupylab/ops/_mt_plan.py):
 //   tensor t: Op::NL data pointers (0 for a list slot the op does not use), then
@@ -69,8 +69,8 @@ struct OpBase {
     __device__ __forceinline__ void finish(const Args&) {}
 };
 
-#define CL_MT_LD4(K) if ((Op::READ >> K) & 1) ld4<typename Op::L##K, C>(base[K], i, x[K]);
-#define CL_MT_ST4(K) if ((Op::WRITE >> K) & 1) st4<typename Op::L##K, C>(base[K], i, x[K]);
+#define CL_MT_LD4(K, I, D) if ((Op::READ >> K) & 1) ld4<typename Op::L##K, C>(base[K], I, D[K]);
+#define CL_MT_ST4(K, I, D) if ((Op::WRITE >> K) & 1) st4<typename Op::L##K, C>(base[K], I, D[K]);
 #define CL_MT_LD1(K) if ((Op::READ >> K) & 1) v[K] = ld1<typename Op::L##K, C>(base[K], i);
 #define CL_MT_ST1(K) if ((Op::WRITE >> K) & 1) st1<typename Op::L##K, C>(base[K], i, v[K]);
 
@@ -91,7 +91,22 @@ __device__ __forceinline__ void locate(const long long* __restrict__ tab, const 
     len = (int)(rest < chunk ? rest : chunk);
 }
 
+// One vector step: `x` holds 4 elements of every list slot.
 template <class Op>
+__device__ __forceinline__ void apply4(Op& op, typename Op::C (&x)[5][4]) {
+    typedef typename Op::C C;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        C v[5] = {x[0][j], x[1][j], x[2][j], x[3][j], x[4][j]};
+        op(v);
+#pragma unroll
+        for (int k = 0; k < 5; ++k) x[k][j] = v[k];
+    }
+}
+
+// U: vectors in flight per thread (all loads of U vectors are issued before the first
+// store, which the compiler cannot do by itself since the lists may alias as far as it knows).
+template <class Op, int U>
 __global__ void __launch_bounds__(BLOCK)
 mt_apply(const long long* __restrict__ tab, const int2* __restrict__ map, long long chunk, Args a) {
     typedef typename Op::C C;
@@ -105,18 +120,32 @@ mt_apply(const long long* __restrict__ tab, const int2* __restrict__ map, long l
     int done = 0;
     if (aligned) {
         const int nv = len >> 2;
-        for (int q = threadIdx.x; q < nv; q += BLOCK) {
+        int q = threadIdx.x;
+        for (; q + (U - 1) * BLOCK < nv; q += U * BLOCK) {
+            C x[U][5][4] = {};
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const long long i = start + 4LL * (q + u * BLOCK);
+                CL_MT_LD4(0, i, x[u]) CL_MT_LD4(1, i, x[u]) CL_MT_LD4(2, i, x[u])
+                CL_MT_LD4(3, i, x[u]) CL_MT_LD4(4, i, x[u])
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) apply4(op, x[u]);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const long long i = start + 4LL * (q + u * BLOCK);
+                CL_MT_ST4(0, i, x[u]) CL_MT_ST4(1, i, x[u]) CL_MT_ST4(2, i, x[u])
+                CL_MT_ST4(3, i, x[u]) CL_MT_ST4(4, i, x[u])
+            }
+        }
+        for (; q < nv; q += BLOCK) {
             const long long i = start + 4LL * q;
             C x[5][4] = {};
-            CL_MT_LD4(0) CL_MT_LD4(1) CL_MT_LD4(2) CL_MT_LD4(3) CL_MT_LD4(4)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                C v[5] = {x[0][j], x[1][j], x[2][j], x[3][j], x[4][j]};
-                op(v);
-#pragma unroll
-                for (int k = 0; k < 5; ++k) x[k][j] = v[k];
-            }
-            CL_MT_ST4(0) CL_MT_ST4(1) CL_MT_ST4(2) CL_MT_ST4(3) CL_MT_ST4(4)
+            CL_MT_LD4(0, i, x) CL_MT_LD4(1, i, x) CL_MT_LD4(2, i, x) CL_MT_LD4(3, i, x)
+            CL_MT_LD4(4, i, x)
+            apply4(op, x);
+            CL_MT_ST4(0, i, x) CL_MT_ST4(1, i, x) CL_MT_ST4(2, i, x) CL_MT_ST4(3, i, x)
+            CL_MT_ST4(4, i, x)
         }
         done = nv << 2;
     }

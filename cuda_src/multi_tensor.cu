@@ -1,5 +1,5 @@
 // Multi-tensor operators: foreach arithmetic, norms, mixed-precision checks and fused
-// optimizer steps, each an Op for the one launcher `cl::mt::mt_apply<Op>`
+// optimizer steps, each an Op for the one launcher `cl::mt::mt_apply<Op, U>`
 // (cupylab_multi_tensor.cuh), instantiated through NVRTC name expressions built by
 // cupylab/ops/_mt_plan.py. The reductions (sum of squares per chunk, then one small
 // deterministic finishing kernel) are the only other kernels.

@@ -164,7 +164,7 @@ def test_import_cupylab_imports_no_framework_and_not_cupylab_torch():
 def test_name_expressions_cover_every_combination():
     names = P._foreach_names()
     assert len(names) == 4 * (5 * 2 + 1 + 2 + 4)
-    assert len(P._optim_names()) == len(P.OPTIM_COMBOS) * 5
+    assert len(P._optim_names()) == len(P.OPTIM_COMBOS) * 5 + 2 * (len(P.ADAM_U_CHOICES) - 1)
     assert len(set(names)) == len(names)
 
 

@@ -332,3 +332,24 @@ def test_clip_is_captured_in_a_cuda_graph():
     assert float(total) == pytest.approx(norm, rel=1e-5)
     for x, w in zip(xs, want):
         torch.testing.assert_close(x.double(), w * (1.0 / (norm + 1e-6)), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("u", P.ADAM_U_CHOICES)
+def test_adam_fp32_every_vector_count(u, monkeypatch):
+    """Every built U (vectors in flight per thread) of the float32 Adam kernel is correct,
+    including the remainder loop (vector counts that are not a multiple of U * 256)."""
+    import cupy as cp
+
+    monkeypatch.setattr(P, "OPTIM_U", u)
+    rng = np.random.default_rng(11)
+    sizes = [4096 * 3 + 4 * 257 + 3, 5, 65536 + 12]
+    hp = [host_data(rng, (s,), "float32") for s in sizes]
+    hg = [host_data(rng, (s,), "float32") for s in sizes]
+    p = [cp.asarray(h) for h in hp]
+    m = [cp.zeros(s, cp.float32) for s in sizes]
+    v = [cp.zeros(s, cp.float32) for s in sizes]
+    optim.adamw_(p, [cp.asarray(h) for h in hg], m, v, lr=1e-2, step=1)
+    for x, a, g in zip(p, hp, hg):
+        want = R.adam_step(a, g, np.zeros(a.shape), np.zeros(a.shape), lr=1e-2, step=1,
+                           weight_decay=1e-2, adamw=True)[0]
+        np.testing.assert_allclose(cp.asnumpy(x), want, rtol=1e-5, atol=1e-6)

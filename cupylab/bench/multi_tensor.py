@@ -116,6 +116,7 @@ def copy_ceiling(torch, nbytes=4 << 30):
 
 
 def adam_llama(torch, rows, n, fraction=1.0):
+    from cupylab.ops import _mt_plan as P
     from cupylab.torch import optim as clo
 
     shapes = llama_shapes(max(1, round(LLAMA_LAYERS * fraction)))
@@ -124,12 +125,23 @@ def adam_llama(torch, rows, n, fraction=1.0):
     ceil = copy_ceiling(torch)
     byts = 28 * nparam
     out = {}
-    for name, mk in [("torch Adam fused", lambda: torch.optim.Adam(ps, lr=1e-4, fused=True)),
-                     ("cupylab.torch Adam", lambda: clo.Adam(ps, lr=1e-4))]:
-        opt = mk()
-        out[name] = _events(torch, opt.step, n)
-        del opt
-        torch.cuda.empty_cache()
+    variants = [("torch Adam fused", None, None)]
+    variants += [(f"cupylab.torch Adam (U={u}, chunk<={P.MAX_CHUNK})", u, P.MAX_CHUNK)
+                 for u in P.ADAM_U_CHOICES]
+    variants += [(f"cupylab.torch Adam (U={P.OPTIM_U}, chunk<=16384)", P.OPTIM_U, 16384)]
+    default_u, default_chunk = P.OPTIM_U, P.MAX_CHUNK
+    try:
+        for name, u, chunk in variants:
+            if u is None:
+                opt = torch.optim.Adam(ps, lr=1e-4, fused=True)
+            else:
+                P.OPTIM_U, P.MAX_CHUNK = u, chunk
+                opt = clo.Adam(ps, lr=1e-4)
+            out[name] = _events(torch, opt.step, n)
+            del opt
+            torch.cuda.empty_cache()
+    finally:
+        P.OPTIM_U, P.MAX_CHUNK = default_u, default_chunk
     ref = out["torch Adam fused"]
     for k, t in out.items():
         gbs = byts / (t * 1e-3) / 1e9
@@ -165,9 +177,13 @@ def clip_llama(torch, rows, ps, ceil, n):
 
     grads = [p.grad for p in ps]
     nparam = sum(p.numel() for p in ps)
-    # max_norm below the norm: both implementations scale every gradient every call
+    # torch reads every gradient for the norm, then reads and writes it to scale (12 bytes per
+    # parameter) whether or not the factor is 1. cupylab skips the scaling launch's work when
+    # the factor is exactly 1 (a no-op clip: 4 bytes per parameter); with eps=1 the factor
+    # stays below 1 call after call, so every call scales (12 bytes per parameter).
     t_torch = _events(torch, lambda: torch.nn.utils.clip_grad_norm_(ps, 1e-3, foreach=True), n)
-    t_cl = _events(torch, lambda: foreach.clip_by_global_norm_(grads, 1e-3), n)
+    t_cl = _events(torch, lambda: foreach.clip_by_global_norm_(grads, 1e-3, eps=1.0), n)
+    t_noop = _events(torch, lambda: foreach.clip_by_global_norm_(grads, 1e30), n)
     captured = "yes"
     try:
         graph = torch.cuda.CUDAGraph()
@@ -182,12 +198,13 @@ def clip_llama(torch, rows, ps, ceil, n):
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         captured = f"no ({type(e).__name__}: {e})"
-    byts = 12 * nparam  # read for the norm, then read + write to scale
-    for k, t in [("torch clip_grad_norm_ (foreach)", t_torch),
-                 ("cupylab.foreach.clip_by_global_norm_", t_cl)]:
-        gbs = byts / (t * 1e-3) / 1e9
+    for k, t, b in [("torch clip_grad_norm_ (foreach)", t_torch, 12),
+                    ("cupylab.foreach.clip_by_global_norm_ (scaling)", t_cl, 12),
+                    ("cupylab.foreach.clip_by_global_norm_ (factor 1: norm only)", t_noop, 4)]:
+        gbs = b * nparam / (t * 1e-3) / 1e9
         rows.append({"case": "clip_llama", "impl": k, "ms_per_call_gpu": round(t, 3),
-                     "GB/s (12 B/param)": round(gbs), "pct_of_copy_ceiling": round(100 * gbs / ceil, 1),
+                     "bytes_per_param": b, "GB/s": round(gbs),
+                     "pct_of_copy_ceiling": round(100 * gbs / ceil, 1),
                      "speedup_vs_torch": round(t_torch / t, 3),
                      **({"cuda_graph_capture": captured} if k.startswith("cupylab") else {})})
 

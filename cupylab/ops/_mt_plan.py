@@ -45,32 +45,42 @@ OPTIM_COMBOS = (("float32", "float32", False), ("float64", "float64", False),
 
 
 # -- name expressions and programs ------------------------------------------------------------
-def ew_name(op, dt, inplace):
-    return f"cl::mt::mt_apply<cl::mt::Ew<{CT[dt]}, {EW[op]}, {'true' if inplace else 'false'}>>"
-
-
-def copy_name(dto, dti):
-    return f"cl::mt::mt_apply<cl::mt::Copy<{CT[dto]}, {CT[dti]}>>"
-
-
-def unscale_name(dt, check_only):
-    return f"cl::mt::mt_apply<cl::mt::Unscale<{CT[dt]}, {'true' if check_only else 'false'}>>"
+#: Vectors in flight per thread (``U`` of ``mt_apply``): foreach operators, optimizers. The
+#: float32 Adam kernels are also built with every value of :data:`ADAM_U_CHOICES` (measured by
+#: the bench's ``--adam-u`` comparison).
+FOREACH_U = 2
+OPTIM_U = 2
+ADAM_U_CHOICES = (1, 2, 4)
 
 
 def _b(x):
     return "true" if x else "false"
 
 
-def adam_name(p, s, master, adamw):
-    return f"cl::mt::mt_apply<cl::mt::Adam<{CT[p]}, {CT[s]}, {_b(master)}, {_b(adamw)}>>"
+def ew_name(op, dt, inplace):
+    return f"cl::mt::mt_apply<cl::mt::Ew<{CT[dt]}, {EW[op]}, {_b(inplace)}>, {FOREACH_U}>"
+
+
+def copy_name(dto, dti):
+    return f"cl::mt::mt_apply<cl::mt::Copy<{CT[dto]}, {CT[dti]}>, {FOREACH_U}>"
+
+
+def unscale_name(dt, check_only):
+    return f"cl::mt::mt_apply<cl::mt::Unscale<{CT[dt]}, {_b(check_only)}>, {FOREACH_U}>"
+
+
+def adam_name(p, s, master, adamw, u=None):
+    return (f"cl::mt::mt_apply<cl::mt::Adam<{CT[p]}, {CT[s]}, {_b(master)}, {_b(adamw)}>, "
+            f"{OPTIM_U if u is None else u}>")
 
 
 def sgd_name(p, s, master, momentum):
-    return f"cl::mt::mt_apply<cl::mt::Sgd<{CT[p]}, {CT[s]}, {_b(master)}, {_b(momentum)}>>"
+    return (f"cl::mt::mt_apply<cl::mt::Sgd<{CT[p]}, {CT[s]}, {_b(master)}, {_b(momentum)}>, "
+            f"{OPTIM_U}>")
 
 
 def lion_name(p, s, master):
-    return f"cl::mt::mt_apply<cl::mt::Lion<{CT[p]}, {CT[s]}, {_b(master)}>>"
+    return f"cl::mt::mt_apply<cl::mt::Lion<{CT[p]}, {CT[s]}, {_b(master)}>, {OPTIM_U}>"
 
 
 def _foreach_names():
@@ -95,6 +105,9 @@ def _optim_names():
     for p, s, m in OPTIM_COMBOS:
         names += [adam_name(p, s, m, False), adam_name(p, s, m, True),
                   sgd_name(p, s, m, False), sgd_name(p, s, m, True), lion_name(p, s, m)]
+    for u in ADAM_U_CHOICES:
+        if u != OPTIM_U:
+            names += [adam_name("float32", "float32", False, w, u) for w in (False, True)]
     return names
 
 
@@ -246,7 +259,7 @@ def build(slot_views, sizes, device, kind, stream, chunk=None):
     host = np.frombuffer(blob, dtype=np.uint8)
     ws_off = -(-len(blob) // 16) * 16  # then the workspace: partials (float64) and scratch
     total = ws_off + 8 * max(nblocks, 1) + 16
-    with cp.cuda.Device(device), cp.cuda.ExternalStream(stream):
+    with cp.cuda.Device(device):
         buf = cp.empty(total, dtype=cp.uint8)
         if blob:
             cp.cuda.runtime.memcpyAsync(buf.data.ptr, host.ctypes.data, len(blob), 1, stream)

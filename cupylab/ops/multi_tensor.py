@@ -69,6 +69,8 @@ def cache_key(lists, writes):
 
 
 def _contiguous(v):
+    if 0 in v.shape:
+        return True
     acc = 1
     for e, s in zip(reversed(v.shape), reversed(v.strides)):
         if e != 1 and s != acc:

@@ -25,6 +25,7 @@ of params and grads (to detect reallocated gradients), then one launch per dtype
 """
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -91,8 +92,8 @@ class _Fused:
     def _cl_plan(self, gi, group):
         """``(plan, stream, params)`` for the group's params with gradients, or None."""
         params = group["params"]
-        grads = list(map(_GRAD, params))
-        if None in grads:
+        grads = list(map(_GRAD, params))  # (`None in grads` would call Tensor.__eq__: slow)
+        if any(map(operator.is_, grads, itertools.repeat(None))):
             pg = [(p, g) for p, g in zip(params, grads) if g is not None]
             if not pg:
                 return None
