@@ -179,3 +179,12 @@ def test_every_multi_tensor_kernel_compiles(cc, monkeypatch):
         assert set(mapping) == set(prog.name_expressions)
         n += len(mapping)
     assert n == len(P._foreach_names()) + len(P._norm_names()) + len(P._optim_names())
+
+
+def test_prepare_refuses_other_functions():
+    import cupylab
+
+    with pytest.raises(TypeError, match="is not a cupylab.foreach or cupylab.optim function"):
+        foreach.prepare(cupylab.add, 1, 2)
+    with pytest.raises(TypeError, match="is not a cupylab.foreach"):
+        foreach.prepare(foreach.prepare, foreach.add_)

@@ -353,3 +353,42 @@ def test_adam_fp32_every_vector_count(u, monkeypatch):
         want = R.adam_step(a, g, np.zeros(a.shape), np.zeros(a.shape), lr=1e-2, step=1,
                            weight_decay=1e-2, adamw=True)[0]
         np.testing.assert_allclose(cp.asnumpy(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_prepared_calls_replay_on_device_values():
+    import cupy as cp
+
+    rng = np.random.default_rng(12)
+    sizes = [3, 0, 5000, 17]
+    xs = [cp.asarray(host_data(rng, (s,), "float32")) for s in sizes]
+    ys = [cp.asarray(host_data(rng, (s,), "float32")) for s in sizes]
+    want = [cp.asnumpy(x).astype(np.float64) for x in xs]
+    call = foreach.prepare(foreach.add_, xs, ys, alpha=0.5)
+    for x, w in zip(xs, want):  # prepare itself runs nothing
+        np.testing.assert_array_equal(cp.asnumpy(x), w.astype(np.float32))
+    for _ in range(3):
+        call()
+    for x, y, w in zip(xs, ys, want):
+        np.testing.assert_allclose(cp.asnumpy(x), w + 1.5 * cp.asnumpy(y), rtol=1e-5, atol=1e-5)
+    before = R.global_norm([cp.asnumpy(y) for y in ys])
+    clip = foreach.prepare(foreach.clip_by_global_norm_, ys, 1.0)
+    total = clip()
+    assert total is clip.result and float(total) == pytest.approx(before, rel=1e-5)
+    np.testing.assert_allclose(float(foreach.norm(ys)), min(1.0, before), rtol=1e-5)
+    # a prepared Adam step with the step counter on the device
+    p = [cp.asarray(host_data(rng, (s,), "float32")) for s in sizes]
+    g = [cp.asarray(host_data(rng, (s,), "float32")) for s in sizes]
+    m = [cp.zeros(s, cp.float32) for s in sizes]
+    v = [cp.zeros(s, cp.float32) for s in sizes]
+    ref = [(cp.asnumpy(a).astype(np.float64), np.zeros(s), np.zeros(s)) for a, s in zip(p, sizes)]
+    step = cp.zeros(1, cp.float32)
+    inc = foreach.prepare(optim.increment_step_, step)
+    adam = foreach.prepare(optim.adam_, p, g, m, v, lr=1e-2, step=step)
+    for k in range(1, 4):
+        inc()
+        adam()
+        ref = [R.adam_step(a, cp.asnumpy(gg), b, c, lr=1e-2, step=k)
+               for (a, b, c), gg in zip(ref, g)]
+    assert float(step[0]) == 3.0
+    for a, (w, _, _) in zip(p, ref):
+        np.testing.assert_allclose(cp.asnumpy(a), w, rtol=1e-5, atol=1e-6)

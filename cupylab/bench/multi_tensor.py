@@ -9,7 +9,8 @@ Cases
 adam_1000x4096
     Wall clock per optimizer step, host included (each timing: ``n`` steps back to back, then
     a synchronisation; median of 5): torch Adam foreach / fused, ``cupylab.torch.optim.Adam``
-    and ``AdamW``, and the functional ``cupylab.optim.adam_``.
+    and ``AdamW``, the functional ``cupylab.optim.adam_``, and the same prepared
+    (``cupylab.foreach.prepare``) with the step counter on the device.
 adam_llama
     The LLaMA-3.2-1B-like parameter list (146 tensors, 1.236 G float32 parameters, tied
     embedding): GPU time per step by CUDA events and bandwidth on the 28 bytes a parameter
@@ -17,7 +18,7 @@ adam_llama
     same run and the 4.25 TB/s ceiling of docs/targets.md.
 foreach_add_1000x4096
     ``torch._foreach_add_(xs, ys)`` against ``cupylab.foreach.add_`` on the same torch lists
-    (and on CuPy lists), wall clock per call.
+    (and on CuPy lists, and prepared with ``cupylab.foreach.prepare``), wall clock per call.
 clip_llama
     Global-norm clipping of the LLaMA-like gradients: ``torch.nn.utils.clip_grad_norm_``
     (foreach) against ``cupylab.foreach.clip_by_global_norm_``; and whether the cupylab call
@@ -101,6 +102,17 @@ def adam_small(torch, rows, n):
         F.adam_(pd, gd, m, v, lr=1e-4, step=st[0])
 
     out["cupylab.optim.adam_ (functional)"] = _wall(torch, functional, n)
+    from cupylab import foreach
+
+    step = torch.zeros(1, device="cuda")
+    inc = foreach.prepare(F.increment_step_, step)
+    adam = foreach.prepare(F.adam_, pd, gd, m, v, lr=1e-4, step=step)
+
+    def prepared():
+        inc()
+        adam()
+
+    out["cupylab.optim.adam_ prepared (device step)"] = _wall(torch, prepared, n)
     ref = out["torch Adam fused"]
     for k, t in out.items():
         rows.append({"case": "adam_1000x4096", "impl": k, "ms_per_step_wall": round(t, 4),
@@ -165,7 +177,9 @@ def foreach_add(torch, rows, n):
     cy = [cp.random.standard_normal(4096, dtype=cp.float32) for _ in range(1000)]
     out = {"torch._foreach_add_": _wall(torch, lambda: torch._foreach_add_(xs, ys), n),
            "cupylab.foreach.add_ (torch lists)": _wall(torch, lambda: foreach.add_(xs, ys), n),
-           "cupylab.foreach.add_ (CuPy lists)": _wall(torch, lambda: foreach.add_(cx, cy), n)}
+           "cupylab.foreach.add_ (CuPy lists)": _wall(torch, lambda: foreach.add_(cx, cy), n),
+           "cupylab.foreach.prepare(add_) (torch lists)": _wall(
+               torch, foreach.prepare(foreach.add_, xs, ys), n)}
     ref = out["torch._foreach_add_"]
     for k, t in out.items():
         rows.append({"case": "foreach_add_1000x4096", "impl": k, "ms_per_call_wall": round(t, 4),

@@ -282,12 +282,41 @@ def build(slot_views, sizes, device, kind, stream, chunk=None):
     return plan
 
 
+_recording = threading.local()
+
+
+def run_kernel(k, device, grid, block, stream, args, kind):
+    """Launch ``k`` — or, while :func:`record` is active in this thread, note the launch
+    (for :func:`cupylab.foreach.prepare`) without running it."""
+    log = getattr(_recording, "log", None)
+    if log is not None:
+        k.function(device)  # compile and load now, not at the first replay
+        log.append((k, device, grid, block, args, kind))
+        return
+    k.launch(device, grid, block, stream, args)
+
+
+class record:
+    """Context manager: the launches of the multi-tensor operators called inside are noted in
+    ``.launches`` instead of run."""
+
+    def __enter__(self):
+        if getattr(_recording, "log", None) is not None:
+            raise RuntimeError("cupylab.foreach.prepare cannot be nested")
+        self.launches = _recording.log = []
+        return self
+
+    def __exit__(self, *exc):
+        _recording.log = None
+        return False
+
+
 def launch(plan, kernel_for, args, stream):
     """Launch ``kernel_for(group signature)`` once per non-empty group."""
     for g in plan.groups:
         if g.nblocks:
-            kernel_for(g.sig).launch(plan.device, g.nblocks, BLOCK, stream,
-                                     (g.tab_ptr, g.map_ptr, plan.chunk) + args)
+            run_kernel(kernel_for(g.sig), plan.device, g.nblocks, BLOCK, stream,
+                       (g.tab_ptr, g.map_ptr, plan.chunk) + args, plan.kind)
 
 
 # -- the cache ---------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ from .._elementwise_core import allocate, finish_output
 from . import _mt_plan as P
 
 __all__ = ["add", "add_", "axpy_", "mul", "mul_", "scale_", "lerp", "lerp_", "copy_", "zero_",
-           "norm", "norms", "clip_by_global_norm_", "nonfinite_check", "unscale_", "resolve",
-           "device_scalar"]
+           "norm", "norms", "clip_by_global_norm_", "nonfinite_check", "unscale_", "prepare",
+           "PreparedForeach", "resolve", "device_scalar"]
 
 _KINDS = {_arrays._from_torch: "torch", _arrays._from_cupy: "cupy", _arrays._from_jax: "jax",
           _arrays._from_numba: "numba", _arrays._from_dlpack: "dlpack"}
@@ -442,12 +442,13 @@ def _norm_launch(plan, s, per_tensor_ptr, total_ptr, coef_ptr, max_norm=0.0, eps
     for g in plan.groups:
         if g.nblocks:
             k = P.kernel("norm", f"cl::mt::mt_sumsq<{P.CT[g.sig[0]]}>", _SUMSQ_FMTS)
-            k.launch(plan.device, g.nblocks, P.BLOCK, s,
-                     (g.tab_ptr, g.map_ptr, plan.chunk, base + 8 * g.first))
+            P.run_kernel(k, plan.device, g.nblocks, P.BLOCK, s,
+                         (g.tab_ptr, g.map_ptr, plan.chunk, base + 8 * g.first), plan.kind)
     o = "double" if all(g.sig[0] == "float64" for g in plan.groups) else "float"
     k = P.kernel("norm", f"cl::mt::mt_norm_finish<{o}>", _FINISH_FMTS)
-    k.launch(plan.device, 1, 1024, s, (base, plan.nblocks, plan.tb_ptr, plan.n, per_tensor_ptr,
-                                       total_ptr, coef_ptr, float(max_norm), float(eps)))
+    P.run_kernel(k, plan.device, 1, 1024, s, (base, plan.nblocks, plan.tb_ptr, plan.n,
+                                              per_tensor_ptr, total_ptr, coef_ptr,
+                                              float(max_norm), float(eps)), plan.kind)
     return o
 
 
@@ -587,3 +588,78 @@ def unscale_(tensors, inv_scale, found_inf=None, *, stream=None):
         P.launch(plan, lambda sig: P.kernel("foreach", P.unscale_name(sig[0], False)),
                  _args((val,), (iptr, 0, fptr)), s)
     return found_inf
+
+
+# -- prepared calls: the host work of a hot loop down to the launches -------------------------
+class PreparedForeach:
+    """A multi-tensor call validated, packed and frozen once (see :func:`prepare`).
+
+    Calling it replays the recorded launches, with the same arguments, on the caller's current
+    stream at call time (or the ``stream`` fixed at prepare time), and returns what the
+    prepared call returned (its output arrays, norm, ``found_inf``...)."""
+
+    __slots__ = ("_launches", "_stream", "result", "_keep")
+
+    def __init__(self, launches, stream, result, keep):
+        self._launches = tuple(launches)
+        self._stream = stream
+        self.result = result
+        self._keep = keep
+
+    def __call__(self):
+        launches = self._launches
+        if launches:
+            _, device, _, _, _, kind = launches[0]
+            with _launch.ensure_device(device):
+                s = self._stream if self._stream is not None else _launch.current_stream(
+                    kind, device)
+                for k, dev, grid, block, args, _ in launches:
+                    k.launch(dev, grid, block, s, args)
+        return self.result
+
+    def __repr__(self):
+        return f"<cupylab prepared multi-tensor call, {len(self._launches)} launch(es)>"
+
+
+def prepare(fn, *args, stream=None, **kwargs):
+    """Validate a foreach or optimizer call once; return a callable that only launches.
+
+    ``call = cupylab.foreach.prepare(cupylab.foreach.add_, xs, ys, alpha=0.5)`` then
+    ``call()`` in the loop: no per-array host work at all (one launch per dtype group; the
+    host cost does not depend on the number of arrays). Everything is validated here, nothing
+    runs here except allocations the call makes (outputs, a zeroed ``found_inf``).
+
+    Host scalars are frozen into the launch (``alpha``, ``lr``, an integer ``step``...): pass
+    one-element float32 GPU arrays for values that change between calls (``lr``, ``step``,
+    ``found_inf``, ``inv_scale``) and advance a device step with
+    :func:`cupylab.optim.increment_step_` (which can be prepared too).
+
+    Parameters
+    ----------
+    fn : a function of :mod:`cupylab.foreach` or :mod:`cupylab.optim`
+    *args, **kwargs
+        Its arguments. The arrays must stay alive and keep their storage while the prepared
+        call is used (it holds references to them).
+    stream : optional
+        Fix the launch stream instead of following the caller's current one.
+
+    Returns
+    -------
+    PreparedForeach
+
+    Raises
+    ------
+    TypeError
+        ``fn`` is not a multi-tensor operator; the errors of ``fn`` itself.
+    """
+    mod = getattr(fn, "__module__", "")
+    if mod not in (__name__, "cupylab.optim") or getattr(fn, "__name__", "") in (
+            "prepare", "resolve", "device_scalar"):
+        raise TypeError(f"prepare: {getattr(fn, '__name__', fn)!r} is not a cupylab.foreach "
+                        "or cupylab.optim function")
+    with P.record() as rec:
+        result = fn(*args, stream=stream, **kwargs)
+    fixed = None
+    if stream is not None:
+        fixed = _launch.resolve_stream(stream)
+    return PreparedForeach(rec.launches, fixed, result, (args, kwargs))
