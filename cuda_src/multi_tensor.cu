@@ -21,9 +21,10 @@ __device__ __forceinline__ C dev_scalar(u64 p, double fallback) {
 
 // ---------------------------------------------------------------------------------------------
 // foreach arithmetic. In place: slot 0 is x and the output, slot 1 is y. Otherwise slot 0 is the
-// output, 1 is x, 2 is y. s[0]: alpha / scalar / weight; p[0]: that scalar as a device float32
-// (MUL_SCALAR); s[1] != 0 with p[0]: skip the launch when the device scalar is exactly 1 (only
-// for in-place scaling, where multiplying by 1 changes nothing).
+// output, 1 is x, 2 is y. s[0]: alpha / scalar / weight; p[0]: that scalar on the device
+// (MUL_SCALAR), a float32, or a float64 when s[2] != 0; s[1] != 0 with p[0]: skip the launch
+// when the device scalar is exactly 1 (only for in-place scaling, where multiplying by 1
+// changes nothing).
 template <typename T, int OP, bool INPLACE>
 struct Ew : OpBase {
     typedef T L0;
@@ -37,7 +38,8 @@ struct Ew : OpBase {
     static constexpr unsigned WRITE = 1u;
     C s;
     __device__ __forceinline__ bool prepare(const Args& a) {
-        s = dev_scalar<C>(a.p[0], a.s[0]);
+        s = (a.p[0] && a.s[2] != 0.0) ? (C)*reinterpret_cast<const double*>(a.p[0])
+                                      : dev_scalar<C>(a.p[0], a.s[0]);
         return !(a.p[0] && a.s[1] != 0.0 && s == C(1));
     }
     __device__ __forceinline__ void operator()(C (&v)[5]) const {
@@ -290,11 +292,12 @@ mt_sumsq(const long long* __restrict__ tab, const int2* __restrict__ map, long l
 
 // tb: per tensor, [first block, end block) into `partial`. Writes (each optional):
 // per_tensor[t] = sqrt(sum over t's blocks); *total = sqrt(sum over all blocks);
-// *coef = min(1, max_norm / (total + eps)) (clip_grad_norm_'s factor, NaN when total is).
+// *coef = min(1, max_norm / (total + eps)) in float64 (clip_grad_norm_'s factor, NaN when the
+// total is).
 template <typename O>
 __global__ void __launch_bounds__(1024)
 mt_norm_finish(const double* __restrict__ partial, int nblocks, const int2* __restrict__ tb,
-               int nt, O* per_tensor, O* total, float* coef, double max_norm, double eps) {
+               int nt, O* per_tensor, O* total, double* coef, double max_norm, double eps) {
     __shared__ double red[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     if (per_tensor) {
@@ -316,7 +319,7 @@ mt_norm_finish(const double* __restrict__ partial, int nblocks, const int2* __re
             if (total) *total = (O)norm;
             if (coef) {
                 const double c = max_norm / (norm + eps);
-                *coef = (float)(c < 1.0 ? c : (c == c ? 1.0 : c));
+                *coef = c < 1.0 ? c : (c == c ? 1.0 : c);
             }
         }
     }

@@ -205,7 +205,7 @@ class Plan:
 
     def workspace(self):
         """Device addresses ``(partials, scratch)``: one float64 per block for the norms, and
-        16 bytes (the clip factor), inside the plan's buffer."""
+        16 bytes (the float64 clip factor), inside the plan's buffer."""
         return self.partial, self.scratch
 
 

@@ -534,7 +534,7 @@ def clip_by_global_norm_(tensors, max_norm, *, eps=1e-6, stream=None):
         out = _new(plan, (), _result_dtype(plan))
         _, coef = plan.workspace()
         _norm_launch(plan, s, 0, _arrays.as_view(out).ptr, coef, max_norm, eps)
-        P.launch(plan, _ew_kernel("mul_scalar", True), _args((0.0, 1.0), (coef,)), s)
+        P.launch(plan, _ew_kernel("mul_scalar", True), _args((0.0, 1.0, 1.0), (coef,)), s)
     return finish_output(plan.kind, out, s, plan.device) if plan.kind not in ("torch", "cupy") \
         else out
 
