@@ -401,3 +401,35 @@ def test_prepared_calls_replay_on_device_values():
     assert float(step[0]) == 3.0
     for a, (w, _, _) in zip(p, ref):
         np.testing.assert_allclose(cp.asnumpy(a), w, rtol=1e-5, atol=1e-6)
+
+
+class _CAI:
+    """A bare __cuda_array_interface__ producer around a CuPy array (the generic CAI path)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    @property
+    def __cuda_array_interface__(self):
+        return self._a.__cuda_array_interface__
+
+
+def test_cai_and_numba_lists():
+    import cupy as cp
+
+    rng = np.random.default_rng(13)
+    hx = [host_data(rng, (s,), "float32") for s in (1, 0, 999)]
+    hy = [host_data(rng, (s,), "float32") for s in (1, 0, 999)]
+    xs = [cp.asarray(h) for h in hx]
+    foreach.add_([_CAI(x) for x in xs], [_CAI(cp.asarray(h)) for h in hy], alpha=2.0)
+    for x, a, b in zip(xs, hx, hy):
+        np.testing.assert_allclose(cp.asnumpy(x), a.astype(np.float64) + 2.0 * b, rtol=1e-6)
+    numba_cuda = pytest.importorskip("numba.cuda")
+    nx = [numba_cuda.as_cuda_array(x) for x in xs]
+    out = foreach.mul(nx, nx)
+    assert all(type(o).__module__.split(".")[0] in ("numba", "numba_cuda") for o in out)
+    for o, x in zip(out, xs):
+        np.testing.assert_allclose(o.copy_to_host(), cp.asnumpy(x).astype(np.float64) ** 2,
+                                   rtol=1e-6)
+    with pytest.raises(TypeError, match="one call takes arrays of one framework"):
+        foreach.add_(nx, [_CAI(x) for x in xs])
