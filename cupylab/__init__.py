@@ -24,3 +24,10 @@ __all__ = [
     "load_kernels", "KernelModule", "Kernel", "ElementwiseKernel", "KernelNotFoundError",
     "CupylabError", "NoGPUError", "CompileError", "dtypes", "__version__",
 ]
+
+# -- multi-tensor operators and fused optimizers (issue 16) ------------------------------------
+# ``cupylab.foreach``: list operators; ``cupylab.optim``: functional fused optimizer steps.
+# ``cupylab.torch.optim`` (drop-in torch optimizers) is imported only on request.
+from . import foreach, optim  # noqa: E402
+
+__all__ += ["foreach", "optim"]

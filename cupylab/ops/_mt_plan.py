@@ -1,0 +1,366 @@
+"""The multi-tensor launcher's host side: programs and kernels, the device-side tensor table
+(built once per list, reused), its cache, and the launch loop.
+
+Table layout (see ``cuda_src/cupylab_multi_tensor.cuh``): per tensor ``NL`` data pointers
+(0 for an absent slot) and ``n | ALIGNED_BIT``; per block an ``int2`` ``(tensor, chunk)``;
+per tensor an ``int2`` ``[first block, end block)`` into the norm partials. Tensors are grouped
+by their dtypes (one launch per group); one upload of one buffer per list, on the caller's
+stream (synchronised once, when the list is first seen); per call the host packs 15 numbers
+per group and launches. Chunks of ``chunk`` elements (a power of two between
+:data:`MIN_CHUNK` and :data:`MAX_CHUNK`, chosen so that the launch has at least about 16
+blocks per SM) make one block each, so a huge tensor and a thousand tiny ones spread over the
+SMs alike. Element offsets are 64-bit.
+
+Cache: keyed on the identity of the arrays (``id``) plus, for torch, their data pointers (a
+tensor's storage can be swapped under the same object); each entry holds weak references to
+its arrays whose callbacks drop the entry when any of them dies, so a key can never match a
+dead array's recycled ``id``, and the cache owns no array. Bounded (LRU, :data:`CACHE_SIZE`).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+
+from .. import _compile, _launch, _runtime
+
+BLOCK = 256
+MIN_CHUNK = 2048
+MAX_CHUNK = 65536
+ALIGNED_BIT = 1 << 62
+BLOCKS_PER_SM = 16  # aim for at least this many chunk blocks per SM (two waves of 8)
+CACHE_SIZE = 64
+ARGS_FMT = "8d4Q"  # struct Args { double s[8]; u64 p[4]; }
+APPLY_FMTS = ("Q", "Q", "q", ARGS_FMT)
+NO_ARGS = (0.0,) * 8 + (0,) * 4
+
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+CT = {"float16": "cl::half_t", "bfloat16": "cl::bf16_t", "float32": "float", "float64": "double"}
+EW = {"add": 0, "add_scalar": 1, "mul": 2, "mul_scalar": 3, "lerp": 4, "zero": 5}
+# (param dtype, state dtype, master copy) combinations of the fused optimizers
+OPTIM_COMBOS = (("float32", "float32", False), ("float64", "float64", False),
+                ("bfloat16", "bfloat16", False), ("bfloat16", "float32", False),
+                ("bfloat16", "float32", True), ("float16", "float16", False),
+                ("float16", "float32", False), ("float16", "float32", True))
+
+
+# -- name expressions and programs ------------------------------------------------------------
+#: Vectors in flight per thread (``U`` of ``mt_apply``): foreach operators, optimizers. The
+#: float32 Adam kernels are also built with every value of :data:`ADAM_U_CHOICES` (measured by
+#: the bench's ``--adam-u`` comparison).
+FOREACH_U = 2
+OPTIM_U = 2
+ADAM_U_CHOICES = (1, 2, 4)
+
+
+def _b(x):
+    return "true" if x else "false"
+
+
+def ew_name(op, dt, inplace):
+    return f"cl::mt::mt_apply<cl::mt::Ew<{CT[dt]}, {EW[op]}, {_b(inplace)}>, {FOREACH_U}>"
+
+
+def copy_name(dto, dti):
+    return f"cl::mt::mt_apply<cl::mt::Copy<{CT[dto]}, {CT[dti]}>, {FOREACH_U}>"
+
+
+def unscale_name(dt, check_only):
+    return f"cl::mt::mt_apply<cl::mt::Unscale<{CT[dt]}, {_b(check_only)}>, {FOREACH_U}>"
+
+
+def adam_name(p, s, master, adamw, u=None):
+    return (f"cl::mt::mt_apply<cl::mt::Adam<{CT[p]}, {CT[s]}, {_b(master)}, {_b(adamw)}>, "
+            f"{OPTIM_U if u is None else u}>")
+
+
+def sgd_name(p, s, master, momentum):
+    return (f"cl::mt::mt_apply<cl::mt::Sgd<{CT[p]}, {CT[s]}, {_b(master)}, {_b(momentum)}>, "
+            f"{OPTIM_U}>")
+
+
+def lion_name(p, s, master):
+    return f"cl::mt::mt_apply<cl::mt::Lion<{CT[p]}, {CT[s]}, {_b(master)}>, {OPTIM_U}>"
+
+
+def _foreach_names():
+    names = []
+    for dt in FLOATS:
+        for op in EW:
+            for inplace in ((True,) if op == "zero" else (True, False)):
+                names.append(ew_name(op, dt, inplace))
+        names += [unscale_name(dt, False), unscale_name(dt, True)]
+        names += [copy_name(dt, di) for di in FLOATS]
+    return names
+
+
+def _norm_names():
+    return ([f"cl::mt::mt_sumsq<{CT[dt]}>" for dt in FLOATS]
+            + ["cl::mt::mt_norm_finish<float>", "cl::mt::mt_norm_finish<double>",
+               "cl::mt::mt_step_inc"])
+
+
+def _optim_names():
+    names = []
+    for p, s, m in OPTIM_COMBOS:
+        names += [adam_name(p, s, m, False), adam_name(p, s, m, True),
+                  sgd_name(p, s, m, False), sgd_name(p, s, m, True), lion_name(p, s, m)]
+    for u in ADAM_U_CHOICES:
+        if u != OPTIM_U:
+            names += [adam_name("float32", "float32", False, w, u) for w in (False, True)]
+    return names
+
+
+_NAMES = {"foreach": _foreach_names, "norm": _norm_names, "optim": _optim_names}
+_programs: dict = {}
+_kernels: dict = {}
+
+
+def program(which) -> _compile.Program:
+    p = _programs.get(which)
+    if p is None:
+        p = _programs.setdefault(which, _compile.Program.from_file(
+            _compile.cuda_src_dir() / "multi_tensor.cu", _NAMES[which](),
+            options=(f"-DCL_MT_PROGRAM_{which.upper()}",)))
+    return p
+
+
+def all_programs():
+    """Every multi-tensor program (CI compiles them all for sm_80 and sm_90)."""
+    return [program(w) for w in _NAMES]
+
+
+def kernel(which, name, fmts=APPLY_FMTS) -> _launch.Kernel:
+    k = _kernels.get(name)
+    if k is None:
+        k = _kernels.setdefault(name, _launch.Kernel(program(which), name, fmts))
+    return k
+
+
+# -- tables ------------------------------------------------------------------------------------
+def choose_chunk(total_elements, sm_count):
+    """Elements per block: the smallest power of two in [MIN_CHUNK, MAX_CHUNK] that keeps the
+    launch near ``BLOCKS_PER_SM`` blocks per SM or fewer."""
+    target = total_elements // max(1, sm_count * BLOCKS_PER_SM)
+    c = MIN_CHUNK
+    while c < target and c < MAX_CHUNK:
+        c *= 2
+    return c
+
+
+def pack_group(ptrs, sizes, itemsizes, chunk):
+    """The table of one dtype group (host side, NumPy).
+
+    Parameters
+    ----------
+    ptrs : list of (sequence of int or None)
+        Per list slot, the data pointers of the group's tensors (``None``: slot absent).
+    sizes : sequence of int
+        Elements per tensor.
+    itemsizes : sequence of int
+        Per slot, the element size (ignored for absent slots).
+    chunk : int
+        Elements per block (a multiple of 4).
+
+    Returns
+    -------
+    tab : ndarray of int64, shape (n, NL + 1)
+    bmap : ndarray of int32, shape (blocks, 2): (tensor, chunk)
+    counts : ndarray of int64, shape (n,): blocks per tensor
+    """
+    import numpy as np  # noqa: PLC0415 - `import cupylab` does not import NumPy
+
+    n = len(sizes)
+    nl = len(ptrs)
+    sz = np.asarray(sizes, dtype=np.int64).reshape(n)
+    tab = np.zeros((n, nl + 1), dtype=np.int64)
+    aligned = np.ones(n, dtype=bool)
+    for k, (pl, isz) in enumerate(zip(ptrs, itemsizes)):
+        if pl is None:
+            continue
+        pa = np.asarray(pl, dtype=np.uint64).reshape(n)
+        tab[:, k] = pa.view(np.int64)
+        aligned &= (pa % np.uint64(4 * isz)) == 0
+    tab[:, nl] = sz | (aligned.astype(np.int64) << 62)
+    counts = -(-sz // chunk)
+    nb = int(counts.sum())
+    bmap = np.empty((nb, 2), dtype=np.int32)
+    bmap[:, 0] = np.repeat(np.arange(n, dtype=np.int32), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    bmap[:, 1] = np.arange(nb, dtype=np.int64) - starts
+    return tab, bmap, counts
+
+
+class Group:
+    """One dtype group of a plan: its signature, tensor indices, and device table."""
+
+    __slots__ = ("sig", "index", "nblocks", "first", "tab_ptr", "map_ptr")
+
+
+class Plan:
+    """The packed, uploaded metadata of one call's lists (see the module docstring)."""
+
+    __slots__ = ("device", "kind", "n", "sizes", "groups", "chunk", "nblocks", "tb_ptr", "buf",
+                 "stream", "partial", "scratch", "refs", "__weakref__")
+
+    def workspace(self):
+        """Device addresses ``(partials, scratch)``: one float64 per block for the norms, and
+        16 bytes (the float64 clip factor), inside the plan's buffer."""
+        return self.partial, self.scratch
+
+
+def layout(slot_ptrs, sizes, slot_dtypes, chunk):
+    """Group tensors by dtype signature and pack every group (no GPU).
+
+    ``slot_ptrs``: per slot a list of pointers or None; ``slot_dtypes``: per slot a list of
+    DTypes or None. Returns ``(groups, blob, tb)``: per group ``(sig, indices, tab offset,
+    map offset, nblocks, first block)``, the whole table as bytes, the offset of ``tb``."""
+    import numpy as np  # noqa: PLC0415
+
+    n = len(sizes)
+    order: dict = {}
+    for i in range(n):
+        sig = tuple(None if d is None else d[i].name for d in slot_dtypes)
+        order.setdefault(sig, []).append(i)
+    parts, groups, off, first = [], [], 0, 0
+    tb = np.zeros((n, 2), dtype=np.int32)
+    for sig, idx in order.items():
+        ptrs = [None if pl is None else [pl[i] for i in idx] for pl in slot_ptrs]
+        isz = [0 if d is None else slot_dtypes[k][idx[0]].itemsize for k, d in enumerate(sig)]
+        tab, bmap, counts = pack_group(ptrs, [sizes[i] for i in idx], isz, chunk)
+        ends = first + np.cumsum(counts)
+        tb[idx, 0] = ends - counts
+        tb[idx, 1] = ends
+        tab_off = off
+        off += tab.nbytes
+        map_off = off
+        off += bmap.nbytes
+        parts += [tab.tobytes(), bmap.tobytes()]
+        nb = bmap.shape[0]
+        if nb > 2**31 - 1:
+            raise ValueError("multi-tensor launch: more than 2^31 - 1 blocks")
+        groups.append((sig, idx, tab_off, map_off, nb, first))
+        first += nb
+    tb_off = off
+    parts.append(tb.tobytes())
+    return groups, b"".join(parts), tb_off, first
+
+
+def build(slot_views, sizes, device, kind, stream, chunk=None):
+    """Pack and upload the tables for validated views (per slot a list of Views or None)."""
+    cp = _runtime.cupy()
+    if chunk is None:
+        chunk = choose_chunk(sum(sizes), _runtime.device_info(device).sm_count)
+    slot_ptrs = [None if vs is None else [v.ptr for v in vs] for vs in slot_views]
+    slot_dt = [None if vs is None else [v.dtype for v in vs] for vs in slot_views]
+    groups, blob, tb_off, nblocks = layout(slot_ptrs, sizes, slot_dt, chunk)
+    import numpy as np  # noqa: PLC0415
+
+    host = np.frombuffer(blob, dtype=np.uint8)
+    ws_off = -(-len(blob) // 16) * 16  # then the workspace: partials (float64) and scratch
+    total = ws_off + 8 * max(nblocks, 1) + 16
+    with cp.cuda.Device(device):
+        buf = cp.empty(total, dtype=cp.uint8)
+        if blob:
+            cp.cuda.runtime.memcpyAsync(buf.data.ptr, host.ctypes.data, len(blob), 1, stream)
+        # The one host synchronisation of a list's life: the table must be on the device before
+        # any stream uses it, and later calls (other streams, CUDA graph capture) then need no
+        # event between the upload and their launch.
+        cp.cuda.runtime.streamSynchronize(stream)
+    base = buf.data.ptr
+    plan = Plan()
+    plan.device, plan.kind, plan.n, plan.sizes, plan.chunk = device, kind, len(sizes), sizes, chunk
+    plan.nblocks, plan.buf, plan.stream, plan.tb_ptr = nblocks, buf, stream, base + tb_off
+    plan.partial, plan.scratch = base + ws_off, base + ws_off + 8 * max(nblocks, 1)
+    plan.refs = None
+    plan.groups = []
+    for sig, idx, toff, moff, nb, first in groups:
+        g = Group()
+        g.sig, g.index, g.nblocks, g.first = sig, idx, nb, first
+        g.tab_ptr, g.map_ptr = base + toff, base + moff
+        plan.groups.append(g)
+    return plan
+
+
+_recording = threading.local()
+
+
+def run_kernel(k, device, grid, block, stream, args, kind):
+    """Launch ``k`` — or, while :func:`record` is active in this thread, note the launch
+    (for :func:`cupylab.foreach.prepare`) without running it."""
+    log = getattr(_recording, "log", None)
+    if log is not None:
+        k.function(device)  # compile and load now, not at the first replay
+        log.append((k, device, grid, block, args, kind))
+        return
+    k.launch(device, grid, block, stream, args)
+
+
+class record:
+    """Context manager: the launches of the multi-tensor operators called inside are noted in
+    ``.launches`` instead of run."""
+
+    def __enter__(self):
+        if getattr(_recording, "log", None) is not None:
+            raise RuntimeError("cupylab.foreach.prepare cannot be nested")
+        self.launches = _recording.log = []
+        return self
+
+    def __exit__(self, *exc):
+        _recording.log = None
+        return False
+
+
+def launch(plan, kernel_for, args, stream):
+    """Launch ``kernel_for(group signature)`` once per non-empty group."""
+    for g in plan.groups:
+        if g.nblocks:
+            run_kernel(kernel_for(g.sig), plan.device, g.nblocks, BLOCK, stream,
+                       (g.tab_ptr, g.map_ptr, plan.chunk) + args, plan.kind)
+
+
+# -- the cache ---------------------------------------------------------------------------------
+_cache: OrderedDict = OrderedDict()
+_lock = threading.RLock()  # a weakref callback may run inside a locked section
+stats = {"hits": 0, "misses": 0, "evicted_dead": 0}
+
+
+def _evict(key):
+    def cb(_ref, key=key):
+        with _lock:
+            if _cache.pop(key, None) is not None:
+                stats["evicted_dead"] += 1
+    return cb
+
+
+def cache_get(key):
+    with _lock:
+        p = _cache.get(key)
+        if p is not None:
+            _cache.move_to_end(key)
+            stats["hits"] += 1
+        return p
+
+
+def cache_put(key, plan, objects):
+    """Store ``plan`` under ``key``; it is dropped as soon as any of ``objects`` dies."""
+    cb = _evict(key)
+    try:
+        plan.refs = [weakref.ref(o, cb) for o in objects]
+    except TypeError:  # an array type without weak references: not cached
+        return
+    with _lock:
+        stats["misses"] += 1
+        _cache[key] = plan
+        _cache.move_to_end(key)
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+
+
+def cache_clear():
+    with _lock:
+        _cache.clear()
+
+
+def cache_len():
+    return len(_cache)

@@ -1,0 +1,385 @@
+"""Drop-in torch optimizers whose step is one cupylab multi-tensor launch per dtype group.
+
+:class:`Adam`, :class:`AdamW` and :class:`SGD` subclass torch's own classes: same
+constructor arguments, param groups, ``zero_grad``, and a ``state_dict`` that loads into
+torch's optimizers and back. :class:`Lion` is a plain ``torch.optim.Optimizer``.
+
+Differences from torch
+----------------------
+* One step counter per param group (every parameter of a group shares it; torch keeps one
+  per parameter, always equal in ordinary training). ``state_dict()`` writes one copy per
+  parameter; loading a state whose steps differ inside a group raises ``ValueError``.
+* ``amsgrad`` is not supported (``ValueError``).
+* ``master_weights=True`` keeps float32 master copies (and float32 states) for bfloat16 /
+  float16 parameters (state key ``"master_param"``).
+* ``capturable=True`` keeps the step on the GPU: a whole training step can be captured in a
+  CUDA graph once one eager step has built the launch tables. ``lr`` may be a one-element
+  float32 CUDA tensor.
+* ``step(found_inf=..., grad_scale=...)`` (or the attributes of the same names, set by
+  ``torch.amp.GradScaler`` for optimizers with ``_step_supports_amp_scaling``): one-element
+  float32 CUDA tensors; a nonzero ``found_inf`` skips the step on the device (the step counter
+  then lives on the GPU).
+
+Host work per step for an unchanged parameter list: reading ``p.grad`` and the data pointers
+of params and grads (to detect reallocated gradients), then one launch per dtype group.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+
+import torch
+
+from .. import _launch, optim as _optim
+from ..ops import multi_tensor as F
+
+__all__ = ["Adam", "AdamW", "SGD", "Lion"]
+
+_GRAD = operator.attrgetter("grad")
+_PTR = torch.Tensor.data_ptr
+
+
+class _Fused:
+    """Shared machinery: per group a cached launch plan keyed on the data pointers of the
+    params and grads."""
+
+    _step_supports_amp_scaling = True
+    _cl_state_keys: tuple = ()
+    _cl_name = "optim"
+
+    def _cl_setup(self, master_weights):
+        self._cl_plans = {}
+        self._cl_steps = {}
+        self.defaults["master_weights"] = bool(master_weights)
+        for g in self.param_groups:
+            g.setdefault("master_weights", bool(master_weights))
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if hasattr(self, "_cl_plans"):
+            self.param_groups[-1].setdefault("master_weights", self.defaults["master_weights"])
+
+    # -- state ------------------------------------------------------------------------------
+    def _cl_master(self, group, p):
+        return group.get("master_weights", False) and p.dtype in (torch.bfloat16, torch.float16)
+
+    def _cl_init_state(self, group, p, st):
+        raise NotImplementedError
+
+    def _cl_group_step(self, gi, group, params, capturable):
+        """The group's shared step tensor (created, or unified from loaded per-param steps)."""
+        st = self._cl_steps.get(gi)
+        if st is not None:
+            return st
+        steps = [self.state[p]["step"] for p in params if "step" in self.state[p]]
+        if steps:
+            vals = {float(s) for s in steps}
+            if len(vals) > 1:
+                raise ValueError(
+                    f"cupylab.torch.optim: the parameters of group {gi} have different step "
+                    f"counts {sorted(vals)}; cupylab keeps one step per group")
+            v = vals.pop()
+        else:
+            v = 0.0
+        dev = params[0].device if capturable else torch.device("cpu")
+        st = torch.tensor(v, dtype=torch.float32, device=dev)
+        for p in group["params"]:
+            if p in self.state and self.state[p]:
+                self.state[p]["step"] = st
+        self._cl_steps[gi] = st
+        return st
+
+    def _cl_plan(self, gi, group):
+        """``(plan, stream, params)`` for the group's params with gradients, or None."""
+        params = group["params"]
+        grads = list(map(_GRAD, params))  # (`None in grads` would call Tensor.__eq__: slow)
+        if any(map(operator.is_, grads, itertools.repeat(None))):
+            pg = [(p, g) for p, g in zip(params, grads) if g is not None]
+            if not pg:
+                return None
+            params, grads = [a for a, _ in pg], [b for _, b in pg]
+        key = (tuple(map(_PTR, params)), tuple(map(_PTR, grads)))
+        hit = self._cl_plans.get(gi)
+        if hit is not None and hit[0] == key:
+            plan = hit[1]
+            with _launch.ensure_device(plan.device):
+                return plan, _launch.current_stream("torch", plan.device), params
+        for p, g in zip(params, grads):
+            if g.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        lists, names, writes = self._cl_lists(group, params, grads)
+        self._cl_steps.pop(gi, None)  # new states join the group's step counter
+        plan, s = F._validate(f"{type(self).__name__}.step", names, lists, writes,
+                              (1,), None, ())
+        self._cl_plans[gi] = (key, plan)
+        return plan, s, params
+
+    def _cl_amp(self, found_inf, grad_scale):
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        return found_inf, grad_scale
+
+    def _cl_lr(self, group):
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            return lr if lr.is_cuda else float(lr)
+        return lr
+
+    def load_state_dict(self, state_dict):
+        # torch casts every loaded state to the param's dtype: keep float32 states and master
+        # copies float32 for master-weight groups.
+        saved = {k: dict(v) for k, v in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        self._cl_plans = {}
+        self._cl_steps = {}
+        ids = [p for g in self.param_groups for p in g["params"]]
+        for idx, sv in saved.items():
+            if not isinstance(idx, int) or idx >= len(ids):
+                continue
+            p = ids[idx]
+            st = self.state[p]
+            if "master_param" in sv:
+                for k in (*self._cl_state_keys, "master_param"):
+                    v = sv.get(k)
+                    if isinstance(v, torch.Tensor):
+                        st[k] = v.to(device=p.device, dtype=torch.float32).clone()
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["state"] = {k: ({**v, "step": v["step"].clone()} if "step" in v else dict(v))
+                       for k, v in sd["state"].items()}
+        return sd
+
+
+class _AdamBase(_Fused):
+    _cl_state_keys = ("exp_avg", "exp_avg_sq")
+
+    def _cl_check(self):
+        for g in self.param_groups:
+            if g.get("amsgrad"):
+                raise ValueError("cupylab.torch.optim: amsgrad is not supported")
+
+    def _cl_lists(self, group, params, grads):
+        st = self.state
+        P, G, M, V, W = [], [], [], [], []
+        anymaster = False
+        for p, g in zip(params, grads):
+            s = st[p]
+            if "exp_avg" not in s:
+                master = self._cl_master(group, p)
+                dt = torch.float32 if master else p.dtype
+                s["exp_avg"] = torch.zeros_like(p, dtype=dt, memory_format=torch.preserve_format)
+                s["exp_avg_sq"] = torch.zeros_like(p, dtype=dt,
+                                                   memory_format=torch.preserve_format)
+                if master:
+                    s["master_param"] = p.detach().float().clone()
+            P.append(p.detach())
+            G.append(g.detach())
+            M.append(s["exp_avg"])
+            V.append(s["exp_avg_sq"])
+            mp = s.get("master_param")
+            W.append(mp)
+            anymaster |= mp is not None
+        if anymaster and any(w is None for w in W):
+            raise TypeError("cupylab.torch.optim: master_weights with float32 and 16-bit params "
+                            "in one group; put them in separate param groups")
+        return ([P, G, M, V, W if anymaster else None],
+                ["params", "grads", "exp_avgs", "exp_avg_sqs", "master_params"],
+                0b1101 | (0b10000 if anymaster else 0))
+
+    @torch.no_grad()
+    def step(self, closure=None, *, found_inf=None, grad_scale=None):
+        """One fused step; ``closure`` as torch's; ``found_inf`` / ``grad_scale``: see the
+        module docstring."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf, grad_scale = self._cl_amp(found_inf, grad_scale)
+        adamw = isinstance(self, torch.optim.AdamW)
+        for gi, group in enumerate(self.param_groups):
+            r = self._cl_plan(gi, group)
+            if r is None:
+                continue
+            plan, s, params = r
+            cap = bool(group.get("capturable")) or found_inf is not None
+            st = self._cl_group_step(gi, group, params, cap)
+            if st.device.type == "cpu" and cap:
+                self._cl_steps.pop(gi)
+                st = self._cl_group_step(gi, group, params, True)
+            if st.device.type == "cpu":
+                st += 1
+                step = float(st)
+            else:
+                _optim.increment_step_(st, found_inf)
+                step = st
+            b1, b2 = group["betas"]
+            decoupled = adamw or group.get("decoupled_weight_decay", False)
+            _optim.adam_launch(f"{type(self).__name__}.step", plan, s, lr=self._cl_lr(group),
+                               beta1=b1, beta2=b2, eps=group["eps"],
+                               weight_decay=group["weight_decay"], step=step, adamw=decoupled,
+                               maximize=group["maximize"], found_inf=found_inf,
+                               grad_scale=grad_scale)
+        return loss
+
+
+class Adam(_AdamBase, torch.optim.Adam):
+    """``torch.optim.Adam`` with a cupylab fused step (see the module docstring).
+
+    Parameters
+    ----------
+    params, lr, betas, eps, weight_decay, amsgrad, maximize, capturable, ...
+        As ``torch.optim.Adam`` (``foreach``/``fused``/``differentiable`` are accepted and
+        ignored; ``amsgrad=True`` raises).
+    master_weights : bool
+        Keep float32 master copies and states for 16-bit params.
+    """
+
+    def __init__(self, params, *args, master_weights=False, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self._cl_check()
+        self._cl_setup(master_weights)
+
+
+class AdamW(_AdamBase, torch.optim.AdamW):
+    """``torch.optim.AdamW`` with a cupylab fused step (see :class:`Adam`)."""
+
+    def __init__(self, params, *args, master_weights=False, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self._cl_check()
+        self._cl_setup(master_weights)
+
+
+class SGD(_Fused, torch.optim.SGD):
+    """``torch.optim.SGD`` with a cupylab fused step (momentum, dampening, Nesterov, weight
+    decay, maximize; ``master_weights`` as :class:`Adam`)."""
+
+    _cl_state_keys = ("momentum_buffer",)
+
+    def __init__(self, params, *args, master_weights=False, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self._cl_setup(master_weights)
+        self._cl_first = {}
+
+    def _cl_lists(self, group, params, grads):
+        st = self.state
+        mom = group["momentum"] != 0
+        P, G, B, W = [], [], [], []
+        fresh = []
+        for p, g in zip(params, grads):
+            s = st[p]
+            master = self._cl_master(group, p)
+            if master and "master_param" not in s:
+                s["master_param"] = p.detach().float().clone()
+            if mom:
+                b = s.get("momentum_buffer")
+                fresh.append(b is None)
+                if b is None:
+                    dt = torch.float32 if master else p.dtype
+                    b = s["momentum_buffer"] = torch.zeros_like(
+                        p, dtype=dt, memory_format=torch.preserve_format)
+                B.append(b)
+            P.append(p.detach())
+            G.append(g.detach())
+            W.append(s.get("master_param"))
+        if fresh and any(fresh) and not all(fresh):
+            raise ValueError("cupylab.torch.optim.SGD: some parameters of a group have momentum "
+                             "buffers and some do not; step them in separate groups")
+        self._cl_first_pending = bool(fresh) and all(fresh)
+        anymaster = any(w is not None for w in W)
+        return ([P, G, B if mom else None, W if anymaster else None],
+                ["params", "grads", "momentum_buffers", "master_params"],
+                0b1 | (0b100 if mom else 0) | (0b1000 if anymaster else 0))
+
+    @torch.no_grad()
+    def step(self, closure=None, *, found_inf=None, grad_scale=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf, grad_scale = self._cl_amp(found_inf, grad_scale)
+        for gi, group in enumerate(self.param_groups):
+            self._cl_first_pending = False
+            r = self._cl_plan(gi, group)
+            if r is None:
+                continue
+            plan, s, _ = r
+            first = self._cl_first_pending or self._cl_first.pop(gi, False)
+            if first and found_inf is not None:
+                raise ValueError("cupylab.torch.optim.SGD: the first momentum step cannot be "
+                                 "skipped on the device (found_inf); take one step without it")
+            _optim.sgd_launch("SGD.step", plan, s, lr=self._cl_lr(group),
+                              momentum=group["momentum"], dampening=group["dampening"],
+                              weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                              maximize=group["maximize"], first_step=first,
+                              found_inf=found_inf, grad_scale=grad_scale)
+        return loss
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._cl_first = {}
+
+
+class Lion(_Fused, torch.optim.Optimizer):
+    """Lion (Chen et al., 2023) with a cupylab fused step.
+
+    Parameters
+    ----------
+    params : iterable of tensors or param groups
+    lr : float or one-element float32 CUDA tensor
+    betas : (float, float)
+    weight_decay : float
+        Decoupled (``p *= 1 - lr * weight_decay``).
+    maximize : bool
+    master_weights : bool
+    """
+
+    _cl_state_keys = ("exp_avg",)
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
+                 master_weights=False):
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Lion: betas must be in [0, 1) (got {betas})")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
+                                      maximize=maximize))
+        self._cl_setup(master_weights)
+
+    def _cl_lists(self, group, params, grads):
+        st = self.state
+        P, G, M, W = [], [], [], []
+        for p, g in zip(params, grads):
+            s = st[p]
+            if "exp_avg" not in s:
+                master = self._cl_master(group, p)
+                s["exp_avg"] = torch.zeros_like(p, dtype=torch.float32 if master else p.dtype,
+                                                memory_format=torch.preserve_format)
+                if master:
+                    s["master_param"] = p.detach().float().clone()
+            P.append(p.detach())
+            G.append(g.detach())
+            M.append(s["exp_avg"])
+            W.append(s.get("master_param"))
+        anymaster = any(w is not None for w in W)
+        return ([P, G, M, W if anymaster else None],
+                ["params", "grads", "exp_avgs", "master_params"],
+                0b101 | (0b1000 if anymaster else 0))
+
+    @torch.no_grad()
+    def step(self, closure=None, *, found_inf=None, grad_scale=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf, grad_scale = self._cl_amp(found_inf, grad_scale)
+        for gi, group in enumerate(self.param_groups):
+            r = self._cl_plan(gi, group)
+            if r is None:
+                continue
+            plan, s, _ = r
+            b1, b2 = group["betas"]
+            _optim.lion_launch("Lion.step", plan, s, lr=self._cl_lr(group), beta1=b1, beta2=b2,
+                               weight_decay=group["weight_decay"], maximize=group["maximize"],
+                               found_inf=found_inf, grad_scale=grad_scale)
+        return loss

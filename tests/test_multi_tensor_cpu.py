@@ -1,0 +1,190 @@
+"""Multi-tensor launcher, host side (no GPU): table packing and chunking, the plan cache,
+argument errors raised before the GPU is touched, aliasing rules, and NVRTC compilation of
+every multi-tensor kernel instance."""
+import gc
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupylab import _compile, _dtypes, foreach, optim
+from cupylab._arrays import View
+from cupylab.ops import _mt_plan as P
+from cupylab.ops import multi_tensor as F
+
+from conftest import FakeCAI
+
+REPO = Path(__file__).resolve().parent.parent
+F32, BF16, F64 = (_dtypes.from_name(n) for n in ("float32", "bfloat16", "float64"))
+
+
+def test_pack_group_chunks_and_alignment():
+    ptrs = [[4096, 8192 + 4, 16384, 32768], [65536, 70000, 0, 81920]]
+    sizes = [5, 9000, 0, 2048]
+    tab, bmap, counts = P.pack_group(ptrs, sizes, [4, 4], 4096)
+    assert counts.tolist() == [1, 3, 0, 1]
+    assert bmap.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [3, 0]]
+    n = tab[:, 2] & (P.ALIGNED_BIT - 1)
+    assert n.tolist() == sizes
+    aligned = (tab[:, 2] >> 62).tolist()
+    # tensor 1: 8196 is not 16-byte aligned; tensor 2: 70000 % 16 == 0 but 16384 ok -> both
+    assert aligned == [1, 0, 1, 1]
+    assert tab[:, 0].tolist() == ptrs[0] and tab[:, 1].tolist() == ptrs[1]
+
+
+def test_pack_group_absent_slot_and_16bit_alignment():
+    tab, _, _ = P.pack_group([[8], None], [4], [2, 0], 2048)
+    assert tab[0, 1] == 0 and tab[0, 2] >> 62 == 1  # 8 % (4 * 2) == 0
+
+
+def test_pack_group_more_than_2_31_elements():
+    n = 2**31 + 5
+    tab, bmap, counts = P.pack_group([[0x10000]], [n], [2], 65536)
+    assert counts[0] == -(-n // 65536)
+    assert bmap[-1].tolist() == [0, counts[0] - 1]
+    assert (tab[0, 1] & (P.ALIGNED_BIT - 1)) == n
+
+
+def test_layout_groups_by_dtype_and_block_ranges():
+    sizes = [10, 5000, 0, 3]
+    groups, blob, tb_off, nblocks = P.layout([[16, 64, 128, 256]], sizes,
+                                             [[F32, BF16, F32, F32]], 2048)
+    assert [(g[0], g[1]) for g in groups] == [(("float32",), [0, 2, 3]), (("bfloat16",), [1])]
+    assert nblocks == 1 + 0 + 1 + 3
+    tb = np.frombuffer(blob[tb_off:], dtype=np.int32).reshape(-1, 2)
+    assert tb.tolist() == [[0, 1], [2, 5], [1, 1], [1, 2]]
+
+
+@pytest.mark.parametrize("total,sms,expect", [(4096 * 1000, 132, 2048), (10, 132, 2048),
+                                              (1_340_000_000, 132, 65536), (2**24, 132, 8192)])
+def test_choose_chunk(total, sms, expect):
+    c = P.choose_chunk(total, sms)
+    assert c == expect and c % 4 == 0
+
+
+class _Obj:
+    pass
+
+
+def test_cache_evicts_when_an_array_dies_and_is_bounded():
+    P.cache_clear()
+    objs = [_Obj() for _ in range(3)]
+    plan = P.Plan()
+    P.cache_put(("k",), plan, objs)
+    assert P.cache_get(("k",)) is plan
+    del objs[1]
+    gc.collect()
+    assert P.cache_get(("k",)) is None and P.cache_len() == 0
+    keep = [_Obj() for _ in range(P.CACHE_SIZE + 10)]
+    for i, o in enumerate(keep):
+        P.cache_put(("b", i), P.Plan(), [o])
+    assert P.cache_len() == P.CACHE_SIZE
+    assert P.cache_get(("b", 0)) is None and P.cache_get(("b", len(keep) - 1)) is not None
+    P.cache_clear()
+
+
+def test_cache_owns_no_array():
+    P.cache_clear()
+    o = _Obj()
+    r = weakref.ref(o)
+    P.cache_put(("own",), P.Plan(), [o])
+    del o
+    gc.collect()
+    assert r() is None and P.cache_len() == 0
+
+
+def test_cache_key_only_for_cupy_and_torch():
+    assert F.cache_key([[FakeCAI((3,))]], 1) is None
+    assert F.cache_key([[]], 1) is None
+    assert F.cache_key([np.zeros(3)], 1) is None  # not a list of arrays
+
+
+def test_argument_errors_before_the_gpu():
+    a, b = FakeCAI((3,)), FakeCAI((3,))
+    with pytest.raises(TypeError, match="foreach.add_: tensors must be a list or tuple"):
+        foreach.add_(a, [b])
+    with pytest.raises(ValueError, match="other has 2 arrays but tensors has 1"):
+        foreach.add_([a], [b, b])
+    with pytest.raises(TypeError, match=r"foreach.add_: tensors\[0\] must be a CUDA device array"):
+        foreach.add_([np.zeros(3)], [b])
+    with pytest.raises(TypeError, match="other must be a list of GPU arrays or a Python number"):
+        foreach.add_([a], "x")
+    with pytest.raises(TypeError, match="weight must be a Python number"):
+        foreach.lerp_([a], [b], [0.5])
+    with pytest.raises(ValueError, match="momentum_buffers are required"):
+        optim.sgd_([a], [b], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="nesterov needs momentum"):
+        optim.sgd_([a], [b], [a], lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="beta1 must be a finite number"):
+        optim.adam_([a], [b], [a], [b], lr=0.1, step=1, beta1=-1)
+
+
+def test_mixed_frameworks_refused_before_the_gpu():
+    from conftest import FakeDLPack
+
+    with pytest.raises(TypeError, match=r"other\[0\] is a dlpack array but tensors\[0\] is a cai"):
+        foreach.add_([FakeCAI((3,))], [FakeDLPack((3,))])
+
+
+def _v(ptr, n, dt=F32):
+    return View(ptr, (n,), (1,), dt, 0, False, None, "cupy", None)
+
+
+def test_aliasing_rules():
+    x, y = _v(4096, 100), _v(8192, 100)
+    # the same array at the same position of two lists: in place, allowed
+    F._check_aliasing("op", ["a", "b"], [[x, y], [x, y]], 1)
+    # written array overlapping another position
+    with pytest.raises(ValueError, match=r"b\[1\] and a\[0\] overlap"):
+        F._check_aliasing("op", ["a", "b"], [[x, y], [y, x]], 1)
+    # partial overlap
+    with pytest.raises(ValueError, match="overlap in memory"):
+        F._check_aliasing("op", ["a", "b"], [[x], [_v(4096 + 8, 10)]], 1)
+    # the same array twice in a written list
+    with pytest.raises(ValueError, match="overlap in memory"):
+        F._check_aliasing("op", ["a"], [[x, x]], 1)
+    # reads may overlap freely; empty arrays never overlap
+    F._check_aliasing("op", ["a", "b"], [[_v(0, 0)], [x]], 0)
+    F._check_aliasing("op", ["a", "b", "c"], [[y], [x], [_v(4096 + 8, 10)]], 1)
+
+
+def test_import_cupylab_imports_no_framework_and_not_cupylab_torch():
+    code = ("import sys, cupylab, cupylab.foreach, cupylab.optim; "
+            "print(sorted(m for m in ('torch', 'cupy', 'jax', 'numpy', 'cupylab.torch') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.strip()
+    assert out == "[]"
+
+
+def test_name_expressions_cover_every_combination():
+    names = P._foreach_names()
+    assert len(names) == 4 * (5 * 2 + 1 + 2 + 4)
+    assert len(P._optim_names()) == len(P.OPTIM_COMBOS) * 5 + 2 * (len(P.ADAM_U_CHOICES) - 1)
+    assert len(set(names)) == len(names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cc", [80, 90])
+def test_every_multi_tensor_kernel_compiles(cc, monkeypatch):
+    monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
+    n = 0
+    for prog in P.all_programs():
+        binary, mapping, kind, _ = _compile.compile_program(prog, cc)
+        assert kind == "cubin" and binary[:4] == b"\x7fELF"
+        assert set(mapping) == set(prog.name_expressions)
+        n += len(mapping)
+    assert n == len(P._foreach_names()) + len(P._norm_names()) + len(P._optim_names())
+
+
+def test_prepare_refuses_other_functions():
+    import cupylab
+
+    with pytest.raises(TypeError, match="is not a cupylab.foreach or cupylab.optim function"):
+        foreach.prepare(cupylab.add, 1, 2)
+    with pytest.raises(TypeError, match="is not a cupylab.foreach"):
+        foreach.prepare(foreach.prepare, foreach.add_)
