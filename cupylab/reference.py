@@ -172,7 +172,14 @@ ROWWISE_REFERENCES = {
     "layer_norm_backward": _layer_norm_backward_rows,
     "rms_norm_backward": _rms_norm_backward_rows,
 }
-# "softmax" and "log_softmax" take one array and return one: usable by the elementwise-style
-# bench check when whole rows are compared.
-REFERENCES.update({"softmax": _softmax_rows, "log_softmax": _log_softmax_rows})
+# Whole-row references of one output, for cupylab-bench (spec.reference "rows:<op>"; the
+# inputs arrive as (rows, cols) arrays).
+REFERENCES.update({
+    "rows:softmax": _softmax_rows, "rows:log_softmax": _log_softmax_rows,
+    "rows:rms_norm": lambda x: _rms_norm_rows(x)[0],
+    "rows:layer_norm": lambda x: _layer_norm_rows(x)[0],
+    "rows:add_rms_norm": lambda x, r: _rms_norm_rows(_f(x) + _f(r))[0],
+    "rows:softmax_backward": _softmax_backward_rows,
+    "rows:log_softmax_backward": _log_softmax_backward_rows,
+})
 # ============================================================================================

@@ -442,3 +442,57 @@ _doc(layer_norm_backward, """Gradients of :func:`layer_norm`: with ``xh = (x - m
     (dx, dweight, dbias)
         ``dweight`` and ``dbias`` in the weight's dtype; both None without a weight.
 """)
+
+
+# -- registry entries (tests and cupylab-bench) -----------------------------------------------
+def _register():
+    from .._registry import OpSpec, register  # noqa: PLC0415
+
+    floats = ("float16", "bfloat16", "float32", "float64")
+
+    def peers(torch_fn):
+        return {
+            "torch": lambda torch, *a, out=None: (lambda: torch_fn(torch, *a)),
+            "torch.compile": lambda torch, *a, out=None: (
+                lambda f=torch.compile(lambda *b: torch_fn(torch, *b)): f(*a)),
+        }
+
+    def _rms(torch, x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, 1e-6)
+
+    def _ln(torch, x):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), None, None, 1e-5)
+
+    def _add_rms(torch, x, r):  # h = x + r is materialised, as an unfused model does
+        return torch.nn.functional.rms_norm(x + r, (x.shape[-1],), None, 1e-6)
+
+    def _sm_bwd(torch, y, dy):
+        return torch._softmax_backward_data(dy, y, -1, y.dtype)
+
+    def _lsm_bwd(torch, y, dy):
+        return torch._log_softmax_backward_data(dy, y, -1, y.dtype)
+
+    specs = [
+        ("softmax", softmax, 1, lambda i: 2 * i, 5, peers(lambda t, x: t.softmax(x, -1)),
+         "softmax over the last axis"),
+        ("log_softmax", log_softmax, 1, lambda i: 2 * i, 5,
+         peers(lambda t, x: t.log_softmax(x, -1)), "log_softmax over the last axis"),
+        ("rms_norm", lambda x, out=None: rms_norm(x, None, 1e-6, out=out), 1, lambda i: 2 * i,
+         4, peers(_rms), "rms_norm over the last axis (no weight)"),
+        ("layer_norm", lambda x, out=None: layer_norm(x, None, None, 1e-5, out=out), 1,
+         lambda i: 2 * i, 6, peers(_ln), "layer_norm over the last axis (no weight)"),
+        ("add_rms_norm", lambda x, r, out=None: add_rms_norm(x, r, None, 1e-6, out=out)[0], 2,
+         lambda i: 4 * i, 5, peers(_add_rms), "h = x + r; y = rms_norm(h); x, r read, y, h "
+         "written"),
+        ("softmax_backward", lambda y, dy, out=None: softmax_backward(y, dy, out=out), 2,
+         lambda i: 3 * i, 3, peers(_sm_bwd), "dx = y * (dy - sum(y * dy))"),
+        ("log_softmax_backward", lambda y, dy, out=None: log_softmax_backward(y, dy, out=out),
+         2, lambda i: 3 * i, 3, peers(_lsm_bwd), "dx = dy - exp(y) * sum(dy)"),
+    ]
+    for name, fn, nin, bpe, flops, pe, desc in specs:
+        spec = register(OpSpec(name, fn, nin, f"rows:{name}", floats, bytes_per_element=bpe,
+                               flops_per_element=flops, peers=pe, description=desc))
+        spec.rowwise = True  # the bench checks whole rows
+
+
+_register()
