@@ -114,8 +114,54 @@ __device__ __forceinline__ i64 load_target(const RowArgs& p, i64 row) {
     return *row_ptr<const i64>(p.target, p, 1, row);
 }
 
+// ---- cp.async pipeline (row_pipe_kernel) -------------------------------------------------
+// Each thread copies its own 16-byte slots of upcoming rows into shared memory (cp.async,
+// sm_80+) and later reads back only those slots, so the pipeline needs no block barrier: the
+// loads of the next rows are in flight while the current row is reduced and written.
+constexpr int PIPE_STAGES = 3;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    unsigned a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Start copying this thread's slots of `row` (operand in0) into `stage` (NV x THREADS
+// vectors, slot j of thread t at j * THREADS + t). Slots that are not whole 16-byte words
+// of the row are filled element by element (zeros outside the row).
+template <typename T, int V, int NV, int TPR, int THREADS>
+__device__ __forceinline__ void issue_row(Vec<T, V>* stage, const RowArgs& p, i64 row, int sbase,
+                                          int cols) {
+    if (row >= p.rows) return;
+    const T* x = row_ptr<const T>(p.in0, p, 0, row);
+    const int head = (int)(((u64)x & 15) / sizeof(T));
+    const T* xal = x - head;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int s = sbase + j * TPR, e0 = s * V - head;
+        Vec<T, V>* dst = stage + j * THREADS + threadIdx.x;
+        if (e0 >= 0 && e0 + V <= cols) {
+            cp_async16(dst, xal + s * V);
+        } else {
+            Vec<T, V> v;
+#pragma unroll
+            for (int k = 0; k < V; ++k)
+                v.v[k] = ((unsigned)(e0 + k) < (unsigned)cols) ? xal[s * V + k] : T();
+            *dst = v;
+        }
+    }
+}
+
 // ---- register kernels ------------------------------------------------------------------
-template <typename T, int OP, int THREADS, int TPR, int NV, int C>
+template <typename T, int OP, int THREADS, int TPR, int NV, int C, bool PIPE = false>
 __device__ __forceinline__ void row_reg(const RowArgs& p) {
     typedef typename Acc<T>::type A;
     constexpr int V = 16 / sizeof(T);
@@ -136,7 +182,20 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
     for (int i = 0; i < NB; ++i) dba[i] = A(0);
     const i64 nunits = C > 1 ? gridDim.x / C : gridDim.x;
-    for (i64 unit = C > 1 ? blockIdx.x / C : blockIdx.x; unit * RPB < p.rows; unit += nunits) {
+    const i64 first = C > 1 ? blockIdx.x / C : blockIdx.x;
+    // PIPE: PIPE_STAGES * NV * THREADS 16-byte words of dynamic shared memory
+    extern __shared__ __align__(16) unsigned char pipe_buf[];
+    Vec<T, V>* stages = reinterpret_cast<Vec<T, V>*>(pipe_buf);
+    if constexpr (PIPE) {
+#pragma unroll
+        for (int q = 0; q < PIPE_STAGES - 1; ++q) {
+            issue_row<T, V, NV, TPR, THREADS>(stages + q * NV * THREADS, p,
+                                              (first + q * nunits) * RPB + group, sbase, cols);
+            cp_async_commit();
+        }
+    }
+    int it = 0;
+    for (i64 unit = first; unit * RPB < p.rows; unit += nunits, ++it) {
         const i64 row = unit * RPB + group;
         const bool active = row < p.rows;
         const i64 rr = active ? row : 0;
@@ -145,10 +204,21 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         const T* xal = x - head;
         Vec<T, V> a[NV];
         Vec<T, V> b[TWO_IN ? NV : 1];
+        if constexpr (PIPE) {
+            issue_row<T, V, NV, TPR, THREADS>(
+                stages + ((it + PIPE_STAGES - 1) % PIPE_STAGES) * NV * THREADS, p,
+                (unit + (PIPE_STAGES - 1) * nunits) * RPB + group, sbase, cols);
+            cp_async_commit();
+            cp_async_wait<PIPE_STAGES - 1>();
+            const Vec<T, V>* cur = stages + (it % PIPE_STAGES) * NV * THREADS;
 #pragma unroll
-        for (int j = 0; j < NV; ++j) {
-            const int s = sbase + j * TPR;
-            load_slot<T, V>(a[j], xal, s, s * V - head, cols, active);
+            for (int j = 0; j < NV; ++j) a[j] = cur[j * THREADS + threadIdx.x];
+        } else {
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int s = sbase + j * TPR;
+                load_slot<T, V>(a[j], xal, s, s * V - head, cols, active);
+            }
         }
         if constexpr (TWO_IN) {
             const T* bal = row_ptr<const T>(p.in1, p, 1, rr) - head;
@@ -249,7 +319,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             if constexpr (OP == OP_LN) {
                 A s1 = A(0);
                 CL_FOR_ELEMS { s1 += to_acc(a[j].v[k]); }  // invalid elements hold 0
-                mean = group_reduce<TPR, C, 0>(s1, SumOp()) * n_inv;
+                mean = group_reduce<TPR, C, 0>(s1, SumOp()) / (A)cols;
             }
             A s2 = A(0);
             CL_FOR_ELEMS {
@@ -264,6 +334,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 if (p.st0) reinterpret_cast<A*>(p.st0)[row] = mean;
                 if (p.st1) reinterpret_cast<A*>(p.st1)[row] = rstd;
             }
+            // each slot is stored as soon as it is computed, with a compiler barrier between
+            // slots: the weight loads of later slots are not hoisted (fewer live registers)
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int e0 = (sbase + j * TPR) * V - head;
@@ -273,6 +345,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
                 for (int k = 0; k < V; ++k)
                     a[j].v[k] = from_acc<T>((to_acc(a[j].v[k]) - mean) * rstd * wv[k] + bv[k]);
+                store_slot<T, V>(yal, a[j], sbase + j * TPR, e0, cols, active);
+                asm volatile("" ::: "memory");
             }
         } else if constexpr (OP == OP_SOFTMAX_BWD || OP == OP_LOG_SOFTMAX_BWD) {
             A d = A(0);
@@ -324,7 +398,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 }
             }
         }
-        if (OP != OP_CE || p.out0) {
+        if ((OP != OP_CE || p.out0) && OP != OP_RMS && OP != OP_LN && OP != OP_ADD_RMS) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int s = sbase + j * TPR;
@@ -360,6 +434,13 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_kernel(const RowA
     row_reg<T, OP, THREADS, TPR, NV, 1>(p);
 }
 
+// Persistent variant for single-input forward ops (blocks loop over rows): the next
+// PIPE_STAGES - 1 rows are copied into shared memory while the current one is processed.
+template <typename T, int OP, int THREADS, int TPR, int NV>
+__global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_pipe_kernel(const RowArgs p) {
+    row_reg<T, OP, THREADS, TPR, NV, 1, true>(p);
+}
+
 #if CL_HAS_CLUSTER
 #define CL_CLUSTER_DIMS(c) __cluster_dims__(c, 1, 1)
 #else
@@ -372,6 +453,14 @@ template <typename T, int OP, int THREADS, int NV, int C>
 __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1) row_cluster_kernel(const RowArgs p) {
 #if CL_HAS_CLUSTER
     row_reg<T, OP, THREADS, THREADS, NV, C>(p);
+#endif
+}
+
+// The pipelined form of the cluster kernel (persistent clusters; sm_90).
+template <typename T, int OP, int THREADS, int NV, int C>
+__global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1) row_cluster_pipe_kernel(const RowArgs p) {
+#if CL_HAS_CLUSTER
+    row_reg<T, OP, THREADS, THREADS, NV, C, true>(p);
 #endif
 }
 
@@ -467,7 +556,7 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
             if constexpr (OP == OP_LN) {
                 A s1 = A(0);
                 for (i64 c = threadIdx.x; c < cols; c += GT) s1 += to_acc(src[c * cs]);
-                mean = group_reduce<GT, 1, 0>(s1, SumOp()) * n_inv;
+                mean = group_reduce<GT, 1, 0>(s1, SumOp()) / (A)cols;
             }
             A s2 = A(0);
             for (i64 c = threadIdx.x; c < cols; c += GT) {

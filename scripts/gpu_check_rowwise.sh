@@ -2,12 +2,15 @@
 # GPU check of the row-wise family (issue 15) in one command:
 #   compile   every rowwise program for this GPU, in parallel (fills the kernel cache),
 #   tests     tests/test_rowwise_gpu.py and tests/test_rowwise_cpu.py,
+#   nopipe    the forward GPU tests again with CUPYLAB_ROWWISE_PIPELINE=0 (the register
+#             kernels without the cp.async pipeline),
 #   memcheck  compute-sanitizer memcheck on a CuPy-only subset (sub-warp, block, cluster,
 #             generic kernels; backward; cross-entropy),
 #   racecheck compute-sanitizer racecheck on a smaller CuPy-only subset (shared memory and
 #             cluster / distributed shared memory paths),
-#   bench     cupylab-bench for the registered row-wise ops beside torch eager (and
-#             torch.compile with BENCH_COMPILE=1) at the issue's shapes,
+#   bench     cupylab-bench for the registered row-wise ops beside torch eager at the issue's
+#             shapes, and softmax / rms_norm without the pipeline,
+#   benchc    a few cases beside torch.compile (Inductor compiles each: slow),
 #   ce        cross-entropy 8192 x 128256 bf16 forward with gradient vs torch eager and
 #             torch.compile forward + backward,
 # then a summary. Usage: scripts/gpu_check_rowwise.sh [OUTDIR]; STEPS picks steps.
@@ -18,7 +21,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$PWD/$OUT/kernel-cache}
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-compile tests memcheck racecheck bench ce}
+STEPS=${STEPS:-compile tests nopipe memcheck racecheck bench ce benchc}
 SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
 summary=()
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -55,7 +58,18 @@ if has tests; then
   stamp "tests done"
 fi
 
-SUBSET='(softmax_forward and bfloat16 and (199-33 or 199-1000 or 2-262144 or 5-65537 or 199-3)) or (norms_forward and float32 and same and (199-31 or 60-4097 or 5-65537 or 1-300000)) or (backward_analytic and bfloat16 and (199-33 or 30-4097 or 2-70001)) or (cross_entropy and bfloat16 and 0.0 and (199-3 or 2-128256 or 1-300000)) or other_axis or bad_targets'
+if has bench; then
+  timeout ${BENCH_TIMEOUT:-150} $PY -m cupylab.bench run ${BENCH_OPS:-softmax log_softmax rms_norm layer_norm add_rms_norm softmax_backward} \
+    -d ${BENCH_DTYPES:-bfloat16} ${BENCH_SIZES:--s 8192x8192 -s 32768x1024 -s 1024x65536 -s 128x4096} \
+    --peers torch -r 5 -q --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?" >> "$OUT/bench.log"
+  CUPYLAB_ROWWISE_PIPELINE=0 timeout 60 $PY -m cupylab.bench run softmax rms_norm -d bfloat16 \
+    -s 8192x8192 -s 32768x1024 --peers none -r 5 -q > "$OUT/bench_nopipe.log" 2>&1
+  summary+=("bench: see below")
+  stamp "bench done"
+fi
+
+SUBSET='(softmax_forward and bfloat16 and (199-33 or 199-1000 or 2-262144 or 5-65537 or 199-3)) or (norms_forward and float32 and same and (199-31 or 60-4097 or 5-65537 or 1-300000)) or (backward_analytic and bfloat16 and (199-33 or 30-4097 or 2-70001)) or (cross_entropy and bfloat16 and 0.0 and (199-3 or 2-128256 or 1-300000)) or other_axis or bad_targets or (many_rows and offset and bfloat16 and (3000-1000 or 20000-33))'
 if has memcheck && command -v "$SAN" >/dev/null 2>&1; then
   timeout ${SAN_TIMEOUT:-120} "$SAN" --tool memcheck --error-exitcode 99 --target-processes all \
     $PY -m pytest -q -p no:cacheprovider tests/test_rowwise_gpu.py -k "${MEMCHECK_SELECT:-$SUBSET}" \
@@ -63,23 +77,13 @@ if has memcheck && command -v "$SAN" >/dev/null 2>&1; then
   summary+=("memcheck (rc=$?): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';') $(grep -E '(passed|failed)' "$OUT/memcheck.log" | tail -n 1)")
   stamp "memcheck done"
 fi
-RSUB='(softmax_forward and bfloat16 and (199-33 or 199-1000 or 2-262144 or 5-65537)) or (norms_forward and float32 and same and (60-4097 or 5-65537)) or (backward_analytic and float32 and 30-4097) or (cross_entropy and bfloat16 and 0.1 and 2-128256)'
+RSUB='(softmax_forward and bfloat16 and (199-33 or 199-1000 or 2-262144 or 60-4097)) or (norms_forward and float32 and same and (60-4097 or 5-65537)) or (backward_analytic and float32 and 30-4097) or (cross_entropy and bfloat16 and 0.1 and 2-128256) or (many_rows and offset and float32 and 1500-8192)'
 if has racecheck && command -v "$SAN" >/dev/null 2>&1; then
   timeout ${SAN_TIMEOUT:-120} "$SAN" --tool racecheck --error-exitcode 99 --target-processes all \
     $PY -m pytest -q -p no:cacheprovider tests/test_rowwise_gpu.py -k "${RACECHECK_SELECT:-$RSUB}" \
     > "$OUT/racecheck.log" 2>&1
   summary+=("racecheck (rc=$?): $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';') $(grep -E '(passed|failed)' "$OUT/racecheck.log" | tail -n 1)")
   stamp "racecheck done"
-fi
-
-if has bench; then
-  CMP=""; [ "${BENCH_COMPILE:-0}" = 1 ] && CMP="--compile"
-  timeout ${BENCH_TIMEOUT:-150} $PY -m cupylab.bench run ${BENCH_OPS:-softmax log_softmax rms_norm layer_norm add_rms_norm softmax_backward} \
-    -d ${BENCH_DTYPES:-bfloat16,float32} ${BENCH_SIZES:--s 8192x8192 -s 32768x1024 -s 1024x65536 -s 128x4096} \
-    --peers torch $CMP -q --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-  echo "bench rc=$?" >> "$OUT/bench.log"
-  summary+=("bench: see below")
-  stamp "bench done"
 fi
 
 if has ce; then
@@ -123,6 +127,22 @@ PYEOF
   stamp "ce done"
 fi
 
+if has nopipe; then
+  CUPYLAB_ROWWISE_PIPELINE=0 timeout ${TESTS_TIMEOUT:-150} $PY -m pytest -q -p no:cacheprovider \
+    tests/test_rowwise_gpu.py -k "softmax_forward or norms_forward or layouts or many_rows" \
+    > "$OUT/pytest_nopipe.log" 2>&1
+  summary+=("pytest forward, CUPYLAB_ROWWISE_PIPELINE=0 (rc=$?): $(tail -n 1 "$OUT/pytest_nopipe.log")")
+  stamp "nopipe done"
+fi
+
+if has benchc; then
+  timeout ${BENCHC_TIMEOUT:-90} $PY -m cupylab.bench run ${BENCHC_OPS:-softmax rms_norm} -d bfloat16 \
+    -s 8192x8192 --peers torch,torch.compile -r 5 -q > "$OUT/bench_compile.log" 2>&1
+  stamp "benchc done"
+fi
+
 echo "================ rowwise GPU check summary ================"
 for s in "${summary[@]}"; do echo "$s"; done
-if [ -f "$OUT/bench.log" ]; then tail -n 60 "$OUT/bench.log"; fi
+for f in bench.log bench_nopipe.log bench_compile.log; do
+  if [ -f "$OUT/$f" ]; then echo "--- $f"; grep -E "^(op|--|[a-z_]+ +(bfloat16|float))|rc=|cases" "$OUT/$f"; fi
+done

@@ -60,6 +60,18 @@ def test_grid_for():
     assert rc.grid_for(13, None, 3, 132) == (3, 3)
 
 
+def test_pipe_plan(monkeypatch):
+    assert rc.pipe_plan(0, (256, 256, 4, 1), 8192, 132, 232448) == (528, 49152)
+    assert rc.pipe_plan(1, (128, 32, 4, 1), 32768, 132, 232448) == (1056, 24576)
+    assert rc.pipe_plan(3, (1024, 1024, 4, 1), 100, 132, 232448) == (100, 196608)
+    assert rc.pipe_plan(4, (256, 256, 4, 1), 8192, 132, 232448) is None  # two inputs
+    assert rc.pipe_plan(0, (1024, 1024, 4, 4), 8192, 132, 232448) == (128, 196608)  # 32 clusters
+    assert rc.pipe_plan(5, (1024, 1024, 4, 8), 3, 132, 232448) == (24, 196608)
+    assert rc.pipe_plan(0, (1024, 1024, 4, 1), 8, 132, 101376) is None  # too little smem
+    monkeypatch.setenv("CUPYLAB_ROWWISE_PIPELINE", "0")
+    assert rc.pipe_plan(0, (256, 256, 4, 1), 8192, 132, 232448) is None
+
+
 class _V:
     def __init__(self, ptr, shape, strides, dt=BF16):
         self.ptr, self.shape, self.strides, self.dtype = ptr, shape, strides, dt
@@ -87,7 +99,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 402
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 602
 
 
 def test_errors_need_no_gpu():
@@ -122,4 +134,4 @@ def test_every_rowwise_instance_compiles(cc, monkeypatch):
         assert kind == "cubin" and binary[:4] == b"\x7fELF"
         assert set(mapping) == set(prog.name_expressions)
         n += len(mapping)
-    assert n == 402
+    assert n == 602

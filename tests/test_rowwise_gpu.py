@@ -208,7 +208,6 @@ def test_backward_analytic(rows, cols, dt):
     lyh = to_host(ly)
     check(cupylab.log_softmax_backward(ly, dy),
           R.ROWWISE_REFERENCES["log_softmax_backward"](lyh, dyh), dt, 4, "log_softmax bwd")
-    sdt = "float64" if dt == "float64" else "float32"
     for wdt in ([dt, "float32"] if dt in ("float16", "bfloat16") else [dt]):
         w = (rng.standard_normal(cols) + 1).astype(np_dtype(wdt))
         wd = cupy_from_host(w)
@@ -217,16 +216,15 @@ def test_backward_analytic(rows, cols, dt):
         rdx, rdw, rdb = R.ROWWISE_REFERENCES["layer_norm_backward"](
             dyh, h, w, to_host(mean), to_host(rstd))
         check(dx, rdx, dt, 4, "ln dx")
-        sc = max(1.0, rows ** 0.5)
-        check(dw, rdw, wdt if wdt != "bfloat16" else "bfloat16", 4 * sc, "ln dw")
-        check(db, rdb, wdt, 4 * sc, "ln db")
+        sc = 1.0 + rows ** 0.5 / 10  # dweight sums rows: its rounding grows with them
+        check(dw, rdw, wdt, 2 * sc, "ln dw")
+        check(db, rdb, wdt, 2 * sc, "ln db")
         assert to_host(dw).dtype == np_dtype(wdt)
         _, rstd = cupylab.rms_norm(x, wd, return_stats=True)
         dx, dw = cupylab.rms_norm_backward(dy, x, wd, rstd)
         rdx, rdw = R.ROWWISE_REFERENCES["rms_norm_backward"](dyh, h, w, to_host(rstd))
         check(dx, rdx, dt, 4, "rms dx")
-        check(dw, rdw, wdt, 4 * sc, "rms dw")
-        del sdt
+        check(dw, rdw, wdt, 2 * sc, "rms dw")
 
 
 def test_backward_deterministic_and_no_weight():
@@ -316,17 +314,16 @@ def test_cross_entropy(rows, cols, dt, smooth):
     loss, lse, g = R.ROWWISE_REFERENCES["cross_entropy"](h, t, -100, smooth)
     n = max(1, int(np.sum(t != -100)))
     sdt = "float64" if dt == "float64" else "float32"
-    sc = 1.0 if dt in ("float32", "float64") else 0.05
     for red in ("mean", "sum", "none"):
         out = cupylab.cross_entropy(x, td, label_smoothing=smooth, reduction=red,
                                     return_grad=True, return_lse=True)
         lo, gr, ls = out
-        ref_loss = {"none": loss, "sum": loss.sum(),
-                    "mean": loss.sum() / np.sum(t != -100) if rows else np.nan}[red]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ref_loss = {"none": loss, "sum": loss.sum(),
+                        "mean": loss.sum() / np.sum(t != -100)}[red]
         scale = 1.0 / n if red == "mean" else 1.0
-        with np.errstate(invalid="ignore"):
-            check(lo, ref_loss, sdt, 1e3 * sc * (1 if red == "none" else 10), f"loss {red}")
-        check(ls, lse, sdt, 1e3 * sc, "lse")
+        check(lo, ref_loss, sdt, 10, f"loss {red}")
+        check(ls, lse, sdt, 10, "lse")
         check(gr, g * scale, dt, 1, f"grad {red}")
     # in place: the gradient replaces the logits
     lo2, g2 = cupylab.cross_entropy(x, td, label_smoothing=smooth, grad_out=x)
@@ -358,3 +355,23 @@ def test_cross_entropy_vs_torch():
     loss, g = cupylab.cross_entropy(x, t, label_smoothing=0.1, return_grad=True)
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g, xr.grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("layout", ["contig", "offset"])
+@pytest.mark.parametrize("rows,cols", [(20000, 33), (3000, 1000), (1500, 8192), (70001, 5)])
+def test_many_rows_per_block(rows, cols, dt, layout):
+    """Persistent grids: each block (or cluster) walks several rows through the cp.async
+    pipeline; offset views give rows whose heads differ (partial 16-byte words)."""
+    rng = np.random.default_rng(rows)
+    h, x = make(rng, "cupy", rows, cols, dt, layout)
+    check(cupylab.softmax(x), R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")
+    check(cupylab.log_softmax(x), R.ROWWISE_REFERENCES["log_softmax"](h), dt, what="log_softmax")
+    y, mean, rstd = cupylab.layer_norm(x, return_stats=True)
+    check(y, R.ROWWISE_REFERENCES["layer_norm"](h)[0], dt, 2, "layer_norm")
+    check(cupylab.rms_norm(x), R.ROWWISE_REFERENCES["rms_norm"](h)[0], dt, 2, "rms_norm")
+    t = rng.integers(0, cols, size=rows)
+    loss, lse, g = R.ROWWISE_REFERENCES["cross_entropy"](h, t)
+    lo, gr = cupylab.cross_entropy(x, cupy_from_host(t), reduction="none", return_grad=True)
+    check(lo, loss, "float32", 10, "ce loss")
+    check(gr, g, dt, 1, "ce grad")

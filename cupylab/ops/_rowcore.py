@@ -13,6 +13,7 @@ per row that reads the row two or three times.
 """
 from __future__ import annotations
 
+import os
 import struct
 import sys
 
@@ -39,6 +40,11 @@ FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 128, 4, 1)
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 128, 2, 1),
               (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
 GENERIC_THREADS = 512  # GT in rowwise.cu
+#: single-input forward ops that use the persistent cp.async pipeline (row_pipe_kernel) for
+#: the non-cluster classes; PIPE_STAGES rows per block in shared memory
+PIPE_OPS = (0, 1, 2, 3, 5)
+PIPE_STAGES = 3  # PIPE_STAGES in rowwise.cu
+_SMEM_PER_SM = 233472  # bytes of shared memory per SM on sm_90 (228 KiB), 1 KiB reserved/block
 GROUPS = {"softmax": (0, 1), "norm": (2, 3, 4), "ce": (5,), "softmax_bwd": (10, 11),
           "norm_bwd": (12, 13)}
 ARGS_FMT = "13Q5q12q2d"  # struct RowArgs
@@ -62,10 +68,14 @@ def acc_dtype(dt):
     return F64 if dt.name == "float64" else F32
 
 
-def kernel_name(op, dt, cls):
+def kernel_name(op, dt, cls, pipe=False):
     if cls is None:
         return f"cl::row_generic<{dt.ctype}, {op}>"
     th, tpr, nv, c = cls
+    if pipe and c > 1:
+        return f"cl::row_cluster_pipe_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
+    if pipe:
+        return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
     if c > 1:
         return f"cl::row_cluster_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
     return f"cl::row_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
@@ -75,6 +85,8 @@ def name_expressions(group, dt):
     names = []
     for op in GROUPS[group]:
         names += [kernel_name(op, dt, cls) for cls in ladder(op)] + [kernel_name(op, dt, None)]
+        if op in PIPE_OPS:
+            names += [kernel_name(op, dt, cls, True) for cls in ladder(op)]
     a = acc_dtype(dt)
     if group == "ce":
         names.append(f"cl::ce_aux<{a.ctype}>")
@@ -298,7 +310,7 @@ def check_stats(opname, name, v, rows, a):
         raise ValueError(f"{opname}: {name} must hold one value per row ({rows}); got shape "
                          f"{v.shape}")
     keep = [(e, s) for e, s in zip(v.shape, v.strides) if e != 1]
-    if len(keep) > 1 or (keep and keep[0][1] != 1):
+    if rows and (len(keep) > 1 or (keep and keep[0][1] != 1)):
         raise ValueError(f"{opname}: {name} must be contiguous")
 
 
@@ -310,7 +322,7 @@ def check_out(opname, name, v, shape, dt):
         raise ValueError(f"{opname}: {name} has shape {v.shape}, expected {tuple(shape)}")
     if v.dtype is not dt:
         raise TypeError(f"{opname}: {name} has dtype {v.dtype.name}, expected {dt.name}")
-    if any(s == 0 and e > 1 for s, e in zip(v.strides, v.shape)):
+    if 0 not in v.shape and any(s == 0 and e > 1 for s, e in zip(v.strides, v.shape)):
         raise ValueError(f"{opname}: {name} has zero strides (a broadcast view); it cannot be "
                          "written")
 
@@ -354,17 +366,62 @@ def pack(ptrs, lay, rows_override=None, ignore_index=0, flags=0, eps=0.0, smooth
 ARGS_SIZE = struct.calcsize("@" + ARGS_FMT)
 
 
+def pipe_plan(op, cls, rows, sm_count, smem_optin):
+    """``(grid, dynamic shared memory)`` of the persistent pipelined kernel for ``cls``, or
+    None when it does not apply (other ops, too little shared memory, the
+    ``CUPYLAB_ROWWISE_PIPELINE=0`` switch). Persistent grids never exceed what is resident at
+    once; cluster grids assume clusters are placed within groups of 16 SMs (H100/H200 GPCs
+    hold 16-18)."""
+    if op not in PIPE_OPS or cls is None:
+        return None
+    if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") == "0":
+        return None
+    th, tpr, nv, c = cls
+    smem = PIPE_STAGES * nv * th * 16
+    if smem > smem_optin:
+        return None
+    per_sm = max(1, min(2048 // th, 65536 // (64 * th), _SMEM_PER_SM // (smem + 1024)))
+    units = -(-rows // (th // tpr))
+    if c > 1:
+        resident = (sm_count // 16) * (16 // c) * per_sm
+        return max(1, min(units, resident)) * c, smem
+    return max(1, min(units, sm_count * per_sm)), smem
+
+
+_smem_set: dict = {}
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def _opt_in(k, device, smem):
+    key = (id(k), device)
+    if _smem_set.get(key, 0) >= smem:
+        return
+    from cupy_backends.cuda.api import driver  # noqa: PLC0415 - CuPy is loaded by now
+
+    driver.funcSetAttribute(k.function(device), _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            smem)
+    _smem_set[key] = smem
+
+
 def launch_rows(c, op, dt, lay, args_fn, parts_cb=None):
     """Choose the kernel for ``lay`` and launch it on ``c.stream``. ``args_fn(parts_ptrs)``
     returns the packed arguments given the partial-sum buffers (``parts_cb(nparts)`` makes
-    them for the weight-gradient ops). Returns the number of partial rows (0 if none)."""
+    them for the weight-gradient ops). Returns ``(partial rows, class)``."""
     info = _runtime.device_info(c.device)
     cls = choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
-    grid, nparts = grid_for(op, cls, lay.rows, info.sm_count)
+    pp = pipe_plan(op, cls, lay.rows, info.sm_count, info.max_smem_optin)
+    smem = 0
+    if pp is not None:
+        grid, smem = pp
+        nparts = 0
+        k = kernel(group_of(op), dt, kernel_name(op, dt, cls, True))
+        _opt_in(k, c.device, smem)  # beyond the 48 KiB default with the static reduce arrays
+    else:
+        grid, nparts = grid_for(op, cls, lay.rows, info.sm_count)
+        k = kernel(group_of(op), dt, kernel_name(op, dt, cls))
     parts = parts_cb(nparts) if (parts_cb is not None and nparts) else {}
-    k = kernel(group_of(op), dt, kernel_name(op, dt, cls))
     block = GENERIC_THREADS if cls is None else cls[0]
-    k.launch(c.device, grid, block, c.stream, args_fn(parts))
+    k.launch(c.device, grid, block, c.stream, args_fn(parts), shared_mem=smem)
     return nparts, cls
 
 
