@@ -116,11 +116,11 @@ try:
     cmp_ms = timeit(lambda: comp(x, t), 5)
 except Exception as ex:  # noqa: BLE001
     cmp_ms = float("nan"); print("torch.compile failed:", ex)
-gb = 2 * x.numel() * 2 / 1e9
+gb = 2 * x.numel() * 2 / 1e9  # GB read + written
 l1, g1 = cupylab.cross_entropy(x, t, return_grad=True)
 l2, g2 = fwdbwd(x, t)
 print(f"check: loss {float(l1):.6f} vs torch {float(l2):.6f}; max|dgrad| {float((g1.float() - g2.float()).abs().max()):.3e}")
-print(f"CE {rows}x{cols} bf16 fwd+grad: cupylab {ours:.3f} ms ({gb / ours:.0f} GB/s), torch eager {eag:.3f} ms "
+print(f"CE {rows}x{cols} bf16 fwd+grad: cupylab {ours:.3f} ms ({gb / (ours / 1e3):.0f} GB/s), torch eager {eag:.3f} ms "
       f"(x{eag / ours:.2f}), torch.compile fwd+bwd {cmp_ms:.3f} ms (x{cmp_ms / ours:.2f})")
 PYEOF
   summary+=("ce: $(tail -n 1 "$OUT/ce.log")")
