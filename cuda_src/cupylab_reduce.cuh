@@ -71,6 +71,11 @@ struct SumOp {
     }
 };
 
+struct MaxOp {
+    template <typename A>
+    __device__ __forceinline__ A operator()(A x, A y) const { return max_acc(x, y); }
+};
+
 // Combine two (max, sum) pairs. A side whose max equals the new max keeps its sum unscaled,
 // so two all -inf sides give (-inf, 0) (not NaN) and stay neutral for finite ones; NaN sums
 // (a NaN or +inf in the row) propagate.

@@ -34,6 +34,7 @@ struct RowArgs {
 
 template <typename P>
 __device__ __forceinline__ P* row_ptr(u64 base, const RowArgs& p, int k, i64 row) {
+    if (p.n1 >= p.rows) return reinterpret_cast<P*>(base) + row * p.si[k];  // one level: no division
     i64 ro = row / p.n1, ri = row - ro * p.n1;
     return reinterpret_cast<P*>(base) + ro * p.so[k] + ri * p.si[k];
 }
@@ -53,15 +54,63 @@ __device__ __forceinline__ A load_w(const RowArgs& p, u64 w, i64 col, A dflt) {
     return (A)to_acc(reinterpret_cast<const T*>(w)[col]);
 }
 
+// V elements of a 16-byte slot to the accumulator type and back. bfloat16 pairs are split and
+// packed as 32-bit words (two instructions per pair); float16 pairs use cvt.rn.f16x2.
+template <typename T, int V, typename A>
+__device__ __forceinline__ void unpack(const Vec<T, V>& v, A (&f)[V]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) f[k] = to_acc(v.v[k]);
+}
+template <>
+__device__ __forceinline__ void unpack<bf16_t, 8, float>(const Vec<bf16_t, 8>& v, float (&f)[8]) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+template <typename T, int V, typename A>
+__device__ __forceinline__ void pack(const A (&f)[V], Vec<T, V>& v) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v.v[k] = from_acc<T>(f[k]);
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <>
+__device__ __forceinline__ void pack<bf16_t, 8, float>(const float (&f)[8], Vec<bf16_t, 8>& v) {
+    unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+}
+template <>
+__device__ __forceinline__ void pack<half_t, 8, float>(const float (&f)[8], Vec<half_t, 8>& v) {
+    unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+}
+#endif
+
+// What elements outside the row are loaded as: -inf for the softmax family (neutral for the
+// max and, as exp(-inf) = 0, for the sum), 0 for everything else (neutral for sums).
+template <typename T> __device__ __forceinline__ T neg_inf_t() { return (T)neg_inf<typename Acc<T>::type>(); }
+template <> __device__ __forceinline__ half_t neg_inf_t<half_t>() { half_t h; h.bits = 0xfc00; return h; }
+template <> __device__ __forceinline__ bf16_t neg_inf_t<bf16_t>() { bf16_t h; h.bits = 0xff80; return h; }
+template <typename T, int OP>
+__device__ __forceinline__ T fill_value() {
+    return (OP == OP_SOFTMAX || OP == OP_LOG_SOFTMAX || OP == OP_CE) ? neg_inf_t<T>() : T();
+}
+
 template <typename T, int V>
 __device__ __forceinline__ void load_slot(Vec<T, V>& v, const T* al, int s, int e0, int cols,
-                                          bool active) {
+                                          bool active, T fill) {
     if (active && e0 >= 0 && e0 + V <= cols) {
         v = *reinterpret_cast<const Vec<T, V>*>(al + s * V);
     } else {
 #pragma unroll
         for (int k = 0; k < V; ++k)
-            v.v[k] = (active && (unsigned)(e0 + k) < (unsigned)cols) ? al[s * V + k] : T();
+            v.v[k] = (active && (unsigned)(e0 + k) < (unsigned)cols) ? al[s * V + k] : fill;
     }
 }
 
@@ -139,7 +188,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // of the row are filled element by element (zeros outside the row).
 template <typename T, int V, int NV, int TPR, int THREADS>
 __device__ __forceinline__ void issue_row(Vec<T, V>* stage, const RowArgs& p, i64 row, int sbase,
-                                          int cols) {
+                                          int cols, T fill) {
     if (row >= p.rows) return;
     const T* x = row_ptr<const T>(p.in0, p, 0, row);
     const int head = (int)(((u64)x & 15) / sizeof(T));
@@ -154,7 +203,7 @@ __device__ __forceinline__ void issue_row(Vec<T, V>* stage, const RowArgs& p, i6
             Vec<T, V> v;
 #pragma unroll
             for (int k = 0; k < V; ++k)
-                v.v[k] = ((unsigned)(e0 + k) < (unsigned)cols) ? xal[s * V + k] : T();
+                v.v[k] = ((unsigned)(e0 + k) < (unsigned)cols) ? xal[s * V + k] : fill;
             *dst = v;
         }
     }
@@ -190,7 +239,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
         for (int q = 0; q < PIPE_STAGES - 1; ++q) {
             issue_row<T, V, NV, TPR, THREADS>(stages + q * NV * THREADS, p,
-                                              (first + q * nunits) * RPB + group, sbase, cols);
+                                              (first + q * nunits) * RPB + group, sbase, cols,
+                                              fill_value<T, OP>());
             cp_async_commit();
         }
     }
@@ -207,7 +257,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         if constexpr (PIPE) {
             issue_row<T, V, NV, TPR, THREADS>(
                 stages + ((it + PIPE_STAGES - 1) % PIPE_STAGES) * NV * THREADS, p,
-                (unit + (PIPE_STAGES - 1) * nunits) * RPB + group, sbase, cols);
+                (unit + (PIPE_STAGES - 1) * nunits) * RPB + group, sbase, cols,
+                fill_value<T, OP>());
             cp_async_commit();
             cp_async_wait<PIPE_STAGES - 1>();
             const Vec<T, V>* cur = stages + (it % PIPE_STAGES) * NV * THREADS;
@@ -217,7 +268,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int s = sbase + j * TPR;
-                load_slot<T, V>(a[j], xal, s, s * V - head, cols, active);
+                load_slot<T, V>(a[j], xal, s, s * V - head, cols, active, fill_value<T, OP>());
             }
         }
         if constexpr (TWO_IN) {
@@ -225,7 +276,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int s = sbase + j * TPR;
-                load_slot<T, V>(b[j], bal, s, s * V - head, cols, active);
+                load_slot<T, V>(b[j], bal, s, s * V - head, cols, active, T());
             }
         }
         T* yal = row_ptr<T>(p.out0, p, 2, rr) - head;
@@ -236,18 +287,16 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #define CL_E(j, k) ((sbase + (j) * TPR) * V - head + (k))
 #define CL_VALID(j, k) (active && (unsigned)CL_E(j, k) < (unsigned)cols)
 
+        // Invalid elements (outside the row) were loaded as the op's neutral value (-inf for
+        // the softmax family, 0 otherwise), so the hot loops need no per-element masks.
         if constexpr (OP == OP_SOFTMAX || OP == OP_LOG_SOFTMAX || OP == OP_CE) {
             A m = neg_inf<A>();
-            CL_FOR_ELEMS {
-                if (CL_VALID(j, k)) m = max_acc(m, to_acc(a[j].v[k]));
-            }
-            A s = A(0), sx = A(0);
-            CL_FOR_ELEMS {
-                if (CL_VALID(j, k)) {
-                    A xv = to_acc(a[j].v[k]);
-                    if (!(xv == neg_inf<A>())) s += exp_row<T>(xv - m);
-                    sx += xv;
-                }
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V];
+                unpack<T, V>(a[j], f);
+#pragma unroll
+                for (int k = 0; k < V; ++k) m = max_acc(m, f[k]);
             }
             // cross-entropy: the target logit is read before the reduction's barriers, so that
             // with grad_out == logits no thread has overwritten it yet
@@ -260,20 +309,58 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 bad = !ignored && (t < 0 || t >= cols);
                 if (stat_thread && !ignored && !bad) xt = to_acc(x[t]);
             }
+            // The row maximum first, then the sum of exp(x - max): two plain reductions are
+            // cheaper than combining (max, sum) pairs (no exp per combine). An all -inf row
+            // sums exp(-inf - 0) = 0 and gives NaN below (like torch); NaN or +inf in a row
+            // make the sum NaN.
+            m = group_reduce<TPR, C, 0>(m, MaxOp());
+            const A mz = (m == neg_inf<A>()) ? A(0) : m;
+            A s = A(0);
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V];
+                unpack<T, V>(a[j], f);
+#pragma unroll
+                for (int k = 0; k < V; ++k) s += exp_row<T>(f[k] - mz);
+            }
             MaxSum<A> ms;
             ms.m = m;
-            ms.s = s;
-            ms = group_reduce<TPR, C, 0>(ms, MaxSumOp());
+            ms.s = group_reduce<TPR, C, 1>(s, SumOp());
             if constexpr (TPR <= 32 && OP == OP_CE) __syncwarp();
             if constexpr (OP == OP_SOFTMAX) {
                 const A inv = A(1) / ms.s;
-                CL_FOR_ELEMS { a[j].v[k] = from_acc<T>(exp_row<T>(to_acc(a[j].v[k]) - ms.m) * inv); }
+#pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    A f[V];
+                    unpack<T, V>(a[j], f);
+#pragma unroll
+                    for (int k = 0; k < V; ++k) f[k] = exp_row<T>(f[k] - ms.m) * inv;
+                    pack<T, V>(f, a[j]);
+                }
             } else if constexpr (OP == OP_LOG_SOFTMAX) {
                 const A ls = log_acc(ms.s);
-                CL_FOR_ELEMS { a[j].v[k] = from_acc<T>((to_acc(a[j].v[k]) - ms.m) - ls); }
+#pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    A f[V];
+                    unpack<T, V>(a[j], f);
+#pragma unroll
+                    for (int k = 0; k < V; ++k) f[k] = (f[k] - ms.m) - ls;
+                    pack<T, V>(f, a[j]);
+                }
             } else {  // cross-entropy
                 const A eps = (A)p.smooth;
-                if (eps > A(0)) sx = group_reduce<TPR, C, 1>(sx, SumOp());
+                A sx = A(0);
+                if (eps > A(0)) {  // sum of the logits (label smoothing): masked, rarely used
+#pragma unroll
+                    for (int j = 0; j < NV; ++j) {
+                        A f[V];
+                        unpack<T, V>(a[j], f);
+#pragma unroll
+                        for (int k = 0; k < V; ++k)
+                            if (CL_VALID(j, k)) sx += f[k];
+                    }
+                    sx = group_reduce<TPR, C, 2>(sx, SumOp());
+                }
                 const A lse = ms.m + log_acc(ms.s);
                 if (stat_thread) {
                     A loss;
@@ -290,16 +377,21 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);
                     const A inv = A(1) / ms.s;
                     const A sm = eps * n_inv;
-                    CL_FOR_ELEMS {
-                        A g;
-                        if (ignored) g = A(0);
-                        else if (bad) g = quiet_nan<A>();
-                        else {
-                            g = exp_row<T>(to_acc(a[j].v[k]) - ms.m) * inv - sm;
-                            if (CL_E(j, k) == t) g -= A(1) - eps;
-                            g *= scale;
+                    const A hit = A(1) - eps;
+#pragma unroll
+                    for (int j = 0; j < NV; ++j) {
+                        A f[V];
+                        unpack<T, V>(a[j], f);
+                        const i64 tk = t - ((i64)(sbase + j * TPR) * V - head);
+#pragma unroll
+                        for (int k = 0; k < V; ++k) {
+                            A g = exp_row<T>(f[k] - ms.m) * inv - sm;
+                            if (k == tk) g -= hit;
+                            f[k] = g * scale;
+                            if (ignored) f[k] = A(0);
+                            if (bad) f[k] = quiet_nan<A>();
                         }
-                        a[j].v[k] = from_acc<T>(g);
+                        pack<T, V>(f, a[j]);
                     }
                 }
             }
@@ -308,9 +400,12 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 T* hal = row_ptr<T>(p.out1, p, 3, rr) - head;
 #pragma unroll
                 for (int j = 0; j < NV; ++j) {
+                    A f[V], g[V];
+                    unpack<T, V>(a[j], f);
+                    unpack<T, V>(b[j], g);
 #pragma unroll
-                    for (int k = 0; k < V; ++k)
-                        a[j].v[k] = from_acc<T>(to_acc(a[j].v[k]) + to_acc(b[j].v[k]));
+                    for (int k = 0; k < V; ++k) f[k] += g[k];
+                    pack<T, V>(f, a[j]);
                     const int s = sbase + j * TPR;
                     store_slot<T, V>(hal, a[j], s, s * V - head, cols, active);
                 }
@@ -318,14 +413,33 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             A mean = A(0);
             if constexpr (OP == OP_LN) {
                 A s1 = A(0);
-                CL_FOR_ELEMS { s1 += to_acc(a[j].v[k]); }  // invalid elements hold 0
+#pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    A f[V];
+                    unpack<T, V>(a[j], f);
+#pragma unroll
+                    for (int k = 0; k < V; ++k) s1 += f[k];  // invalid elements hold 0
+                }
                 mean = group_reduce<TPR, C, 0>(s1, SumOp()) / (A)cols;
             }
             A s2 = A(0);
-            CL_FOR_ELEMS {
-                if (CL_VALID(j, k)) {
-                    A d = to_acc(a[j].v[k]) - mean;
-                    s2 += d * d;
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V];
+                unpack<T, V>(a[j], f);
+                const int e0 = (sbase + j * TPR) * V - head;
+                if (OP != OP_LN || (e0 >= 0 && e0 + V <= cols)) {
+#pragma unroll
+                    for (int k = 0; k < V; ++k) {
+                        A d = f[k] - mean;
+                        s2 += d * d;
+                    }
+                } else {
+#pragma unroll
+                    for (int k = 0; k < V; ++k) {
+                        A d = ((unsigned)(e0 + k) < (unsigned)cols) ? f[k] - mean : A(0);
+                        s2 += d * d;
+                    }
                 }
             }
             s2 = group_reduce<TPR, C, 1>(s2, SumOp());
@@ -339,28 +453,38 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int e0 = (sbase + j * TPR) * V - head;
-                A wv[V], bv[V];
+                A wv[V], bv[V], f[V];
                 load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
                 load_wslot<T, V>(bv, p, p.b, e0, cols, A(0));
+                unpack<T, V>(a[j], f);
 #pragma unroll
-                for (int k = 0; k < V; ++k)
-                    a[j].v[k] = from_acc<T>((to_acc(a[j].v[k]) - mean) * rstd * wv[k] + bv[k]);
+                for (int k = 0; k < V; ++k) f[k] = (f[k] - mean) * rstd * wv[k] + bv[k];
+                pack<T, V>(f, a[j]);
                 store_slot<T, V>(yal, a[j], sbase + j * TPR, e0, cols, active);
                 asm volatile("" ::: "memory");
             }
         } else if constexpr (OP == OP_SOFTMAX_BWD || OP == OP_LOG_SOFTMAX_BWD) {
             A d = A(0);
-            CL_FOR_ELEMS {
-                if (OP == OP_SOFTMAX_BWD) d += to_acc(a[j].v[k]) * to_acc(b[j].v[k]);
-                else d += to_acc(b[j].v[k]);
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V], g[V];
+                unpack<T, V>(a[j], f);
+                unpack<T, V>(b[j], g);
+#pragma unroll
+                for (int k = 0; k < V; ++k) d += (OP == OP_SOFTMAX_BWD ? f[k] : A(1)) * g[k];
             }
             d = group_reduce<TPR, C, 0>(d, SumOp());
-            CL_FOR_ELEMS {
-                A y = to_acc(a[j].v[k]), dy = to_acc(b[j].v[k]);
-                a[j].v[k] = from_acc<T>(OP == OP_SOFTMAX_BWD ? y * (dy - d)
-                                                             : dy - exp_row<T>(y) * d);
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V], g[V];
+                unpack<T, V>(a[j], f);
+                unpack<T, V>(b[j], g);
+#pragma unroll
+                for (int k = 0; k < V; ++k)
+                    f[k] = OP == OP_SOFTMAX_BWD ? f[k] * (g[k] - d) : g[k] - exp_row<T>(f[k]) * d;
+                pack<T, V>(f, a[j]);
             }
-        } else {  // OP_RMS_BWD, OP_LN_BWD: in0 = x, in1 = dy
+        } else {  // OP_RMS_BWD, OP_LN_BWD: in0 = x, in1 = dy (invalid elements hold 0: dy = 0)
             const A mean = (OP == OP_LN_BWD && active) ? reinterpret_cast<const A*>(p.st0)[rr] : A(0);
             const A rstd = active ? reinterpret_cast<const A*>(p.st1)[rr] : A(0);
             Sum2<A> acc;
@@ -369,19 +493,18 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int e0 = (sbase + j * TPR) * V - head;
-                A wv[V];
+                A wv[V], f[V], g[V];
                 load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
+                unpack<T, V>(a[j], f);
+                unpack<T, V>(b[j], g);
 #pragma unroll
                 for (int k = 0; k < V; ++k) {
-                    A dy = to_acc(b[j].v[k]);
-                    A xh = (to_acc(a[j].v[k]) - mean) * rstd;
-                    A g = dy * wv[k];
-                    if (CL_VALID(j, k)) {
-                        acc.a += g;
-                        acc.b += g * xh;
-                        dwa[j * V + k] += dy * xh;
-                        if constexpr (OP == OP_LN_BWD) dba[j * V + k] += dy;
-                    }
+                    A xh = (f[k] - mean) * rstd;
+                    A gw = g[k] * wv[k];
+                    acc.a += gw;
+                    acc.b += gw * xh;
+                    dwa[j * V + k] += g[k] * xh;
+                    if constexpr (OP == OP_LN_BWD) dba[j * V + k] += g[k];
                 }
             }
             acc = group_reduce<TPR, C, 0>(acc, SumOp());
@@ -389,13 +512,16 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int e0 = (sbase + j * TPR) * V - head;
-                A wv[V];
+                A wv[V], f[V], g[V];
                 load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
+                unpack<T, V>(a[j], f);
+                unpack<T, V>(b[j], g);
 #pragma unroll
                 for (int k = 0; k < V; ++k) {
-                    A xh = (to_acc(a[j].v[k]) - mean) * rstd;
-                    a[j].v[k] = from_acc<T>(rstd * (to_acc(b[j].v[k]) * wv[k] - c1 - xh * c2));
+                    A xh = (f[k] - mean) * rstd;
+                    f[k] = rstd * (g[k] * wv[k] - c1 - xh * c2);
                 }
+                pack<T, V>(f, a[j]);
             }
         }
         if ((OP != OP_CE || p.out0) && OP != OP_RMS && OP != OP_LN && OP != OP_ADD_RMS) {
