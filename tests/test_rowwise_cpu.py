@@ -94,6 +94,17 @@ def test_row_layout():
         rc.row_layout("t", w.shape, [w, None, _V(0x0, w.shape, (60, 20, 5, 1), F32), None], -1)
 
 
+def test_layout_cache_keys_on_alignment_and_strides():
+    x = _V(0x1000, (8, 64), (64, 1))
+    o = _V(0x2000, (8, 64), (64, 1))
+    a = rc.row_layout("t", x.shape, [x, None, o, None], -1)
+    assert rc.row_layout("t", x.shape, [_V(0x3000, (8, 64), (64, 1)), None, o, None], -1) is a
+    b = rc.row_layout("t", x.shape, [_V(0x3002, (8, 64), (64, 1)), None, o, None], -1)
+    assert b is not a and not b.vec_ok  # another offset modulo 16: not the same plan
+    c = rc.row_layout("t", x.shape, [_V(0x1000, (8, 64), (128, 1)), None, o, None], -1)
+    assert c is not a and c.si[0] == 128
+
+
 def test_name_expressions_cover_ladders():
     names = rc.name_expressions("norm_bwd", BF16)
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names

@@ -170,7 +170,27 @@ class Layout:
     __slots__ = ("rows", "cols", "n1", "so", "si", "cs", "vec_ok", "head", "lead_shape")
 
 
+_layouts: dict = {}
+_LAYOUT_CACHE_MAX = 512
+
+
 def row_layout(opname, shape, slots, axis, extra=()):
+    """:func:`make_layout`, memoised on everything the layout depends on (shape, axis, each
+    operand's strides and address modulo 16): repeated calls on same-shaped arrays skip the
+    dimension merging."""
+    key = (opname, shape, axis, tuple((v.strides, v.ptr % 16, v.dtype.itemsize) if v is not None
+                                      else None for v in slots),
+           tuple(v.strides for v in extra))
+    lay = _layouts.get(key)
+    if lay is None:
+        lay = make_layout(opname, shape, slots, axis, extra)
+        if len(_layouts) >= _LAYOUT_CACHE_MAX:
+            _layouts.clear()
+        _layouts[key] = lay
+    return lay
+
+
+def make_layout(opname, shape, slots, axis, extra=()):
     """Layout of ``slots`` (4 Views or None, all of ``shape``) reduced along ``axis``;
     ``extra``: Views of the leading shape only (the target) sharing the row indexing, put in
     slot 1. Raises ValueError when the leading dims cannot be merged into two."""
