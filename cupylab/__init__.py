@@ -13,6 +13,16 @@ from .kernels import ElementwiseKernel, Kernel, KernelModule, KernelNotFoundErro
 from .ops.elementwise import (add, div, divide, floor_divide, fused_add_mul, mul, multiply,
                               prepare, sub, subtract, true_divide, vector_add)
 
+# ---- row-wise operators (issue 15) ----------------------------------------------------------
+from .ops.rowwise import (add_rms_norm, layer_norm, layer_norm_backward, log_softmax,
+                          log_softmax_backward, rms_norm, rms_norm_backward, softmax,
+                          softmax_backward)
+from .ops.cross_entropy import cross_entropy
+_ROWWISE = ["softmax", "log_softmax", "layer_norm", "rms_norm", "add_rms_norm", "cross_entropy",
+            "softmax_backward", "log_softmax_backward", "layer_norm_backward",
+            "rms_norm_backward"]
+# ---- end row-wise ---------------------------------------------------------------------------
+
 __version__ = "0.1.0"
 
 #: Names of the dtypes the arithmetic operators accept.
@@ -23,7 +33,7 @@ __all__ = [
     "vector_add", "fused_add_mul", "prepare", "Graph",
     "load_kernels", "KernelModule", "Kernel", "ElementwiseKernel", "KernelNotFoundError",
     "CupylabError", "NoGPUError", "CompileError", "dtypes", "__version__",
-]
+] + _ROWWISE
 
 # -- multi-tensor operators and fused optimizers (issue 16) ------------------------------------
 # ``cupylab.foreach``: list operators; ``cupylab.optim``: functional fused optimizer steps.

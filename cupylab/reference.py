@@ -89,7 +89,8 @@ def tolerance(dtype):
     return TOLERANCES[str(dtype)]
 
 
-# =============================================================================================
+# ======================================================================================
+
 # Multi-tensor operators and optimizers (cupylab.foreach, cupylab.optim): float64 references on
 # lists of NumPy arrays. Each returns new float64 arrays; nothing is modified.
 # =============================================================================================
@@ -171,3 +172,115 @@ def lion_step(p, g, m, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=
     p = p * (1 - lr * weight_decay) - lr * u
     m = beta2 * m + (1 - beta2) * g
     return p, m
+# ============================================================================================
+# Row-wise operators (issue 15): float64 references over the last axis. Inputs are NumPy
+# arrays of any float dtype; results are float64. Semantics match the kernels (and torch):
+# softmax of a row of -inf only is NaN, layer_norm uses the biased variance.
+def _softmax_rows(x):
+    x = _f(x)
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = np.max(x, axis=-1, keepdims=True)
+        e = np.exp(x - m)
+        return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def _log_softmax_rows(x):
+    x = _f(x)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = np.max(x, axis=-1, keepdims=True)
+        return (x - m) - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+
+
+def _rms_norm_rows(x, weight=None, eps=1e-6):
+    x = _f(x)
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    y = x * rstd
+    return (y * _f(weight) if weight is not None else y), rstd[..., 0]
+
+
+def _layer_norm_rows(x, weight=None, bias=None, eps=1e-5):
+    x = _f(x)
+    mean = np.mean(x, axis=-1, keepdims=True)
+    var = np.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + eps)
+    y = (x - mean) * rstd
+    if weight is not None:
+        y = y * _f(weight)
+    if bias is not None:
+        y = y + _f(bias)
+    return y, mean[..., 0], rstd[..., 0]
+
+
+def _cross_entropy_rows(logits, target, ignore_index=-100, label_smoothing=0.0):
+    """Per-row loss, logsumexp and the per-row gradient of the loss (float64)."""
+    x = _f(logits)
+    t = np.asarray(target).astype(np.int64)
+    n = x.shape[-1]
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = np.max(x, axis=-1, keepdims=True)
+        lse = (m + np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True)))[..., 0]
+        ignored = t == ignore_index
+        bad = ~ignored & ((t < 0) | (t >= n))
+        tc = np.where(ignored | bad, 0, t)
+        xt = np.take_along_axis(x, tc[..., None], axis=-1)[..., 0]
+        s = label_smoothing
+        loss = (1 - s) * (lse - xt) + s * (lse - np.mean(x, axis=-1))
+        loss = np.where(ignored, 0.0, np.where(bad, np.nan, loss))
+        grad = np.exp(x - lse[..., None]) - s / n
+        onehot = np.zeros_like(x)
+        np.put_along_axis(onehot, tc[..., None], 1.0, axis=-1)
+        grad = grad - (1 - s) * onehot
+        grad = np.where(ignored[..., None], 0.0, np.where(bad[..., None], np.nan, grad))
+    return loss, lse, grad
+
+
+def _softmax_backward_rows(y, dy):
+    y, dy = _f(y), _f(dy)
+    return y * (dy - np.sum(y * dy, axis=-1, keepdims=True))
+
+
+def _log_softmax_backward_rows(y, dy):
+    y, dy = _f(y), _f(dy)
+    return dy - np.exp(y) * np.sum(dy, axis=-1, keepdims=True)
+
+
+def _layer_norm_backward_rows(dy, x, weight, mean, rstd):
+    dy, x = _f(dy), _f(x)
+    xh = (x - _f(mean)[..., None]) * _f(rstd)[..., None]
+    g = dy * (_f(weight) if weight is not None else 1.0)
+    r = _f(rstd)[..., None]
+    dx = r * (g - np.mean(g, axis=-1, keepdims=True) - xh * np.mean(g * xh, axis=-1,
+                                                                   keepdims=True))
+    lead = tuple(range(x.ndim - 1))
+    return dx, np.sum(dy * xh, axis=lead), np.sum(dy, axis=lead)
+
+
+def _rms_norm_backward_rows(dy, x, weight, rstd):
+    dy, x = _f(dy), _f(x)
+    r = _f(rstd)[..., None]
+    xh = x * r
+    g = dy * (_f(weight) if weight is not None else 1.0)
+    dx = r * (g - xh * np.mean(g * xh, axis=-1, keepdims=True))
+    return dx, np.sum(dy * xh, axis=tuple(range(x.ndim - 1)))
+
+
+ROWWISE_REFERENCES = {
+    "softmax": _softmax_rows, "log_softmax": _log_softmax_rows,
+    "rms_norm": _rms_norm_rows, "layer_norm": _layer_norm_rows,
+    "cross_entropy": _cross_entropy_rows,
+    "softmax_backward": _softmax_backward_rows,
+    "log_softmax_backward": _log_softmax_backward_rows,
+    "layer_norm_backward": _layer_norm_backward_rows,
+    "rms_norm_backward": _rms_norm_backward_rows,
+}
+# Whole-row references of one output, for cupylab-bench (spec.reference "rows:<op>"; the
+# inputs arrive as (rows, cols) arrays).
+REFERENCES.update({
+    "rows:softmax": _softmax_rows, "rows:log_softmax": _log_softmax_rows,
+    "rows:rms_norm": lambda x: _rms_norm_rows(x)[0],
+    "rows:layer_norm": lambda x: _layer_norm_rows(x)[0],
+    "rows:add_rms_norm": lambda x, r: _rms_norm_rows(_f(x) + _f(r))[0],
+    "rows:softmax_backward": _softmax_backward_rows,
+    "rows:log_softmax_backward": _log_softmax_backward_rows,
+})
+# ============================================================================================

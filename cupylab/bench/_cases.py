@@ -187,9 +187,16 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
         sets = _operands.OperandSets(session.cp, dt, shape, spec.n_inputs, nsets,
                                      with_out=fw != "jax", in_dts=in_dts)
         res["buffer_sets"] = nsets
-        idx = _operands.sample_indices(n, session.rng)
+        # row-wise operators (spec.rowwise) are checked on whole rows (last axis)
+        rowwise = getattr(spec, "rowwise", False)
+        idx = (_operands.sample_rows(shape, session.rng) if rowwise
+               else _operands.sample_indices(n, session.rng))
         host = sets.host_inputs(0, idx)
+        if rowwise:
+            host = [h.reshape(-1, shape[-1]) for h in host]
         ref = reference(spec.reference, *host, dtype=np.dtype(dt.name) if dt.kind == "i" else None)
+        if rowwise:
+            ref = np.asarray(ref).reshape(-1)
         if fw == "jax":  # immutable arrays: cupylab allocates the result
             calls = [_bind(spec.fn, sets.inputs(fw, j), None) for j in range(nsets)]
         else:

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 __all__ = ["ALIGN_BYTES", "MAX_SETS", "SAMPLE", "buffer_sets", "OperandSets", "fill_random",
-           "sample_indices", "sample_to_host", "compare", "dtype_name"]
+           "sample_indices", "sample_rows", "sample_to_host", "compare", "dtype_name"]
 
 #: Alignment of every buffer set (bytes): keeps the 16-byte vector paths of the kernels.
 ALIGN_BYTES = 256
@@ -226,6 +226,21 @@ def sample_indices(n: int, rng, k: int = SAMPLE):
         return np.arange(n, dtype=np.int64)
     mid = np.unique(rng.integers(k, n - k, size=k, dtype=np.int64))
     return np.concatenate([np.arange(k, dtype=np.int64), mid, np.arange(n - k, n, dtype=np.int64)])
+
+
+def sample_rows(shape, rng, k: int = SAMPLE):
+    """Flat indices of whole rows (last axis) to check, for row-wise operators: every row up
+    to about ``3 k`` elements, else the first and last row and random rows in between, about
+    ``3 k`` elements in all (at least the three rows). Sorted."""
+    cols = int(shape[-1]) if shape else 1
+    rows = int(math.prod(shape[:-1])) if len(shape) > 1 else 1
+    want = max(3, (3 * k) // max(cols, 1))
+    if rows <= want:
+        sel = np.arange(rows, dtype=np.int64)
+    else:
+        mid = rng.choice(np.arange(1, rows - 1, dtype=np.int64), size=want - 2, replace=False)
+        sel = np.unique(np.concatenate([[0, rows - 1], mid]).astype(np.int64))
+    return (sel[:, None] * cols + np.arange(cols, dtype=np.int64)[None, :]).reshape(-1)
 
 
 def dtype_name(obj) -> str:

@@ -1,0 +1,163 @@
+// cupylab row reductions in levels: warp shuffle -> block (shared memory) -> thread-block
+// cluster (distributed shared memory, sm_90+). A row is owned by a group of TPR threads
+// (TPR <= 32: part of one warp; TPR > 32: the whole block) and, for cluster kernels, by the C
+// blocks of one cluster. group_reduce skips the levels a row does not need.
+//
+// Every thread of the group gets the same result, computed in the same order (deterministic).
+// Cluster primitives are inline PTX so that NVRTC needs no CUDA headers.
+#pragma once
+#include "cupylab_common.cuh"
+
+namespace cl {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CL_HAS_CLUSTER 1
+#else
+#define CL_HAS_CLUSTER 0
+#endif
+
+// (running max, sum of exp(x - max)): the online softmax pair.
+template <typename A> struct MaxSum { A m; A s; };
+// two sums reduced together (layer-norm backward: sum(g), sum(g * xhat)).
+template <typename A> struct Sum2 { A a; A b; };
+
+__device__ __forceinline__ float shfl_xor(float v, int o) {
+    return __shfl_xor_sync(0xffffffffu, v, o);
+}
+__device__ __forceinline__ double shfl_xor(double v, int o) {
+    return __shfl_xor_sync(0xffffffffu, v, o);
+}
+template <typename A>
+__device__ __forceinline__ MaxSum<A> shfl_xor(MaxSum<A> v, int o) {
+    MaxSum<A> r;
+    r.m = shfl_xor(v.m, o);
+    r.s = shfl_xor(v.s, o);
+    return r;
+}
+template <typename A>
+__device__ __forceinline__ Sum2<A> shfl_xor(Sum2<A> v, int o) {
+    Sum2<A> r;
+    r.a = shfl_xor(v.a, o);
+    r.b = shfl_xor(v.b, o);
+    return r;
+}
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+__device__ __forceinline__ float rsqrt_acc(float x) { return rsqrtf(x); }
+__device__ __forceinline__ double rsqrt_acc(double x) { return rsqrt(x); }
+__device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+template <typename A> __device__ __forceinline__ A neg_inf() { return -__int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() {
+    return -__longlong_as_double(0x7ff0000000000000LL);
+}
+template <typename A> __device__ __forceinline__ A quiet_nan() { return __int_as_float(0x7fc00000); }
+template <> __device__ __forceinline__ double quiet_nan<double>() {
+    return __longlong_as_double(0x7ff8000000000000LL);
+}
+
+struct SumOp {
+    template <typename A>
+    __device__ __forceinline__ A operator()(A x, A y) const { return x + y; }
+    template <typename A>
+    __device__ __forceinline__ Sum2<A> operator()(Sum2<A> x, Sum2<A> y) const {
+        Sum2<A> r;
+        r.a = x.a + y.a;
+        r.b = x.b + y.b;
+        return r;
+    }
+};
+
+struct MaxOp {
+    template <typename A>
+    __device__ __forceinline__ A operator()(A x, A y) const { return max_acc(x, y); }
+};
+
+// Combine two (max, sum) pairs. A side whose max equals the new max keeps its sum unscaled,
+// so two all -inf sides give (-inf, 0) (not NaN) and stay neutral for finite ones; NaN sums
+// (a NaN or +inf in the row) propagate.
+struct MaxSumOp {
+    template <typename A>
+    __device__ __forceinline__ MaxSum<A> operator()(MaxSum<A> x, MaxSum<A> y) const {
+        MaxSum<A> r;
+        r.m = max_acc(x.m, y.m);
+        A fx = (x.m == r.m) ? A(1) : exp_acc(x.m - r.m);
+        A fy = (y.m == r.m) ? A(1) : exp_acc(y.m - r.m);
+        r.s = x.s * fx + y.s * fy;
+        return r;
+    }
+};
+
+// ---- cluster primitives (sm_90) ---------------------------------------------------------
+__device__ __forceinline__ void cluster_sync() {
+#if CL_HAS_CLUSTER
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+#if CL_HAS_CLUSTER
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+#else
+    return 0;
+#endif
+}
+
+// Read a POD value of the shared-memory variable `p` as held by cluster block `rank`.
+template <typename R>
+__device__ __forceinline__ R dsmem_load(const R* p, unsigned rank) {
+    R out;
+#if CL_HAS_CLUSTER
+    unsigned a, ra;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(p));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    unsigned* o = reinterpret_cast<unsigned*>(&out);
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(R) / 4); ++i)
+        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(o[i]) : "r"(ra + 4u * i) : "memory");
+#else
+    out = *p;
+#endif
+    return out;
+}
+
+// Reduce v over the TPR threads of a row group (and the C blocks of a cluster). SLOT tells
+// the call sites of one kernel apart (each has its own shared memory). Must be called by
+// every thread of the block (all lanes take part in the shuffles). Ends with the barriers
+// that make its shared memory reusable by the next call of the same site.
+template <int TPR, int C, int SLOT, typename R, typename Op>
+__device__ __forceinline__ R group_reduce(R v, Op op) {
+    constexpr int W = TPR < 32 ? TPR : 32;
+#pragma unroll
+    for (int o = W / 2; o > 0; o >>= 1) v = op(v, shfl_xor(v, o));
+    if constexpr (TPR > 32) {
+        constexpr int NW = TPR / 32;
+        __shared__ R part[NW];
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+        __syncthreads();
+        v = part[0];
+#pragma unroll
+        for (int i = 1; i < NW; ++i) v = op(v, part[i]);
+        __syncthreads();
+    }
+    if constexpr (C > 1) {
+        __shared__ R cpart;
+        if (threadIdx.x == 0) cpart = v;
+        cluster_sync();
+        R acc = dsmem_load(&cpart, 0u);
+#pragma unroll
+        for (int q = 1; q < C; ++q) acc = op(acc, dsmem_load(&cpart, (unsigned)q));
+        v = acc;
+        cluster_sync();  // nobody overwrites cpart (next row) while a peer may still read it
+    }
+    return v;
+}
+
+}  // namespace cl

@@ -1,0 +1,772 @@
+// Row-wise fused operators over the last axis: softmax, log_softmax, rms_norm, layer_norm,
+// add + rms_norm, cross-entropy (forward, with the gradient written in the same pass), and the
+// backward of softmax, log_softmax, rms_norm and layer_norm.
+//
+// Register kernels (row_kernel, row_cluster_kernel): the row is read from global memory once
+// into registers as 16-byte vectors (NV per thread) and written once. A row belongs to TPR
+// threads (TPR <= 32: several rows per block; TPR == THREADS: one row per block) and, in the
+// cluster kernels (sm_90), to the C blocks of a thread-block cluster, whose partial results
+// meet in distributed shared memory. Rows may start anywhere: a vector "slot" s covers the
+// 16-byte word s of the row's aligned base (row start - head elements); partial words at the
+// ends are loaded and stored element by element. The host guarantees that every row operand
+// has the same head in each row, that the last axis is contiguous and that the row fits
+// (C * THREADS * NV slots).
+//
+// row_generic: any layout (column stride, mixed alignment) and any length; one block per row,
+// reading the row two or three times (the fallback, and the path for long fp32/fp64 rows).
+#include "cupylab_reduce.cuh"
+
+namespace cl {
+
+enum {
+    OP_SOFTMAX = 0, OP_LOG_SOFTMAX = 1, OP_RMS = 2, OP_LN = 3, OP_ADD_RMS = 4, OP_CE = 5,
+    OP_SOFTMAX_BWD = 10, OP_LOG_SOFTMAX_BWD = 11, OP_RMS_BWD = 12, OP_LN_BWD = 13
+};
+
+// One parameter block for every kernel (all 8-byte fields: the host packs "13Q5q12q2d").
+// Operand k of so/si/cs: 0 in0, 1 in1 (or the target for OP_CE), 2 out0, 3 out1.
+struct RowArgs {
+    u64 out0, out1, in0, in1, w, b, st0, st1, part0, part1, target, loss, scale;
+    i64 rows, cols, n1, ignore_index, flags;  // flags: 1 = int32 target, 2 = mean reduction
+    i64 so[4], si[4], cs[4];  // row strides (outer, inner leading dim), column strides
+    double eps, smooth;
+};
+
+template <typename P>
+__device__ __forceinline__ P* row_ptr(u64 base, const RowArgs& p, int k, i64 row) {
+    if (p.n1 >= p.rows) return reinterpret_cast<P*>(base) + row * p.si[k];  // one level: no division
+    i64 ro = row / p.n1, ri = row - ro * p.n1;
+    return reinterpret_cast<P*>(base) + ro * p.so[k] + ri * p.si[k];
+}
+
+// exp in the row kernels: the fast ex2-based intrinsic for 16-bit data (far below their
+// rounding), the accurate one for float32 / float64.
+template <typename T> __device__ __forceinline__ float exp_row(float x) { return expf(x); }
+template <> __device__ __forceinline__ float exp_row<half_t>(float x) { return __expf(x); }
+template <> __device__ __forceinline__ float exp_row<bf16_t>(float x) { return __expf(x); }
+template <typename T> __device__ __forceinline__ double exp_row(double x) { return exp(x); }
+
+// Weights and biases are T, or float32 with 16-bit T (flags & 4).
+template <typename T, typename A>
+__device__ __forceinline__ A load_w(const RowArgs& p, u64 w, i64 col, A dflt) {
+    if (!w) return dflt;
+    if (p.flags & 4) return (A)reinterpret_cast<const float*>(w)[col];
+    return (A)to_acc(reinterpret_cast<const T*>(w)[col]);
+}
+
+// V elements of a 16-byte slot to the accumulator type and back. bfloat16 pairs are split and
+// packed as 32-bit words (two instructions per pair); float16 pairs use cvt.rn.f16x2.
+template <typename T, int V, typename A>
+__device__ __forceinline__ void unpack(const Vec<T, V>& v, A (&f)[V]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) f[k] = to_acc(v.v[k]);
+}
+template <>
+__device__ __forceinline__ void unpack<bf16_t, 8, float>(const Vec<bf16_t, 8>& v, float (&f)[8]) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+template <typename T, int V, typename A>
+__device__ __forceinline__ void pack(const A (&f)[V], Vec<T, V>& v) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v.v[k] = from_acc<T>(f[k]);
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <>
+__device__ __forceinline__ void pack<bf16_t, 8, float>(const float (&f)[8], Vec<bf16_t, 8>& v) {
+    unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+}
+template <>
+__device__ __forceinline__ void pack<half_t, 8, float>(const float (&f)[8], Vec<half_t, 8>& v) {
+    unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+}
+#endif
+
+// What elements outside the row are loaded as: -inf for the softmax family (neutral for the
+// max and, as exp(-inf) = 0, for the sum), 0 for everything else (neutral for sums).
+template <typename T> __device__ __forceinline__ T neg_inf_t() { return (T)neg_inf<typename Acc<T>::type>(); }
+template <> __device__ __forceinline__ half_t neg_inf_t<half_t>() { half_t h; h.bits = 0xfc00; return h; }
+template <> __device__ __forceinline__ bf16_t neg_inf_t<bf16_t>() { bf16_t h; h.bits = 0xff80; return h; }
+template <typename T, int OP>
+__device__ __forceinline__ T fill_value() {
+    return (OP == OP_SOFTMAX || OP == OP_LOG_SOFTMAX || OP == OP_CE) ? neg_inf_t<T>() : T();
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void load_slot(Vec<T, V>& v, const T* al, int s, int e0, int cols,
+                                          bool active, T fill) {
+    if (active && e0 >= 0 && e0 + V <= cols) {
+        v = *reinterpret_cast<const Vec<T, V>*>(al + s * V);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            v.v[k] = (active && (unsigned)(e0 + k) < (unsigned)cols) ? al[s * V + k] : fill;
+    }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_slot(T* al, const Vec<T, V>& v, int s, int e0, int cols,
+                                           bool active) {
+    if (!active) return;
+    if (e0 >= 0 && e0 + V <= cols) {
+        *reinterpret_cast<Vec<T, V>*>(al + s * V) = v;
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            if ((unsigned)(e0 + k) < (unsigned)cols) al[s * V + k] = v.v[k];
+    }
+}
+
+// V weights for columns e0 .. e0+V-1 (dflt where there is no weight or outside the row).
+template <typename W, int V, typename A>
+__device__ __forceinline__ void load_wslot_t(A (&o)[V], u64 w, int e0, int cols, A dflt) {
+    const W* wp = reinterpret_cast<const W*>(w);
+    if (e0 >= 0 && e0 + V <= cols && ((w + e0 * sizeof(W)) % (sizeof(W) * V)) == 0) {
+        Vec<W, V> t = *reinterpret_cast<const Vec<W, V>*>(wp + e0);
+#pragma unroll
+        for (int k = 0; k < V; ++k) o[k] = (A)to_acc(t.v[k]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            int e = e0 + k;
+            o[k] = (e >= 0 && e < cols) ? (A)to_acc(wp[e]) : dflt;
+        }
+    }
+}
+
+template <typename T, int V, typename A>
+__device__ __forceinline__ void load_wslot(A (&o)[V], const RowArgs& p, u64 w, int e0, int cols,
+                                           A dflt) {
+    if (!w) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) o[k] = dflt;
+    } else if (p.flags & 4) {
+        load_wslot_t<float, V>(o, w, e0, cols, dflt);
+    } else {
+        load_wslot_t<T, V>(o, w, e0, cols, dflt);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ i64 load_target(const RowArgs& p, i64 row) {
+    if (p.flags & 1) return (i64)*row_ptr<const int>(p.target, p, 1, row);
+    return *row_ptr<const i64>(p.target, p, 1, row);
+}
+
+// ---- cp.async pipeline (row_pipe_kernel) -------------------------------------------------
+// Each thread copies its own 16-byte slots of upcoming rows into shared memory (cp.async,
+// sm_80+) and later reads back only those slots, so the pipeline needs no block barrier: the
+// loads of the next rows are in flight while the current row is reduced and written.
+constexpr int PIPE_STAGES = 3;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    unsigned a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Start copying this thread's slots of `row` (operand in0) into `stage` (NV x THREADS
+// vectors, slot j of thread t at j * THREADS + t). Slots that are not whole 16-byte words
+// of the row are filled element by element (zeros outside the row).
+template <typename T, int V, int NV, int TPR, int THREADS>
+__device__ __forceinline__ void issue_row(Vec<T, V>* stage, const RowArgs& p, i64 row, int sbase,
+                                          int cols, T fill) {
+    if (row >= p.rows) return;
+    const T* x = row_ptr<const T>(p.in0, p, 0, row);
+    const int head = (int)(((u64)x & 15) / sizeof(T));
+    const T* xal = x - head;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int s = sbase + j * TPR, e0 = s * V - head;
+        Vec<T, V>* dst = stage + j * THREADS + threadIdx.x;
+        if (e0 >= 0 && e0 + V <= cols) {
+            cp_async16(dst, xal + s * V);
+        } else {
+            Vec<T, V> v;
+#pragma unroll
+            for (int k = 0; k < V; ++k)
+                v.v[k] = ((unsigned)(e0 + k) < (unsigned)cols) ? xal[s * V + k] : fill;
+            *dst = v;
+        }
+    }
+}
+
+// ---- register kernels ------------------------------------------------------------------
+template <typename T, int OP, int THREADS, int TPR, int NV, int C, bool PIPE = false>
+__device__ __forceinline__ void row_reg(const RowArgs& p) {
+    typedef typename Acc<T>::type A;
+    constexpr int V = 16 / sizeof(T);
+    constexpr int RPB = THREADS / TPR;
+    constexpr bool BWD_W = (OP == OP_RMS_BWD || OP == OP_LN_BWD);
+    constexpr bool TWO_IN = (OP == OP_ADD_RMS || OP >= OP_SOFTMAX_BWD);
+    constexpr int NA = BWD_W ? NV * V : 1;
+    constexpr int NB = (OP == OP_LN_BWD) ? NV * V : 1;
+    const int lane = threadIdx.x % TPR;
+    const int group = threadIdx.x / TPR;
+    const unsigned rank = C > 1 ? cluster_rank() : 0u;
+    const int cols = (int)p.cols;  // the host keeps register-kernel rows below 2^31
+    const int sbase = (int)rank * TPR * NV + lane;
+    const A n_inv = A(1) / (A)cols;
+    A dwa[NA], dba[NB];
+#pragma unroll
+    for (int i = 0; i < NA; ++i) dwa[i] = A(0);
+#pragma unroll
+    for (int i = 0; i < NB; ++i) dba[i] = A(0);
+    const i64 nunits = C > 1 ? gridDim.x / C : gridDim.x;
+    const i64 first = C > 1 ? blockIdx.x / C : blockIdx.x;
+    // PIPE: PIPE_STAGES * NV * THREADS 16-byte words of dynamic shared memory
+    extern __shared__ __align__(16) unsigned char pipe_buf[];
+    Vec<T, V>* stages = reinterpret_cast<Vec<T, V>*>(pipe_buf);
+    if constexpr (PIPE) {
+#pragma unroll
+        for (int q = 0; q < PIPE_STAGES - 1; ++q) {
+            issue_row<T, V, NV, TPR, THREADS>(stages + q * NV * THREADS, p,
+                                              (first + q * nunits) * RPB + group, sbase, cols,
+                                              fill_value<T, OP>());
+            cp_async_commit();
+        }
+    }
+    int it = 0;
+    for (i64 unit = first; unit * RPB < p.rows; unit += nunits, ++it) {
+        const i64 row = unit * RPB + group;
+        const bool active = row < p.rows;
+        const i64 rr = active ? row : 0;
+        const T* x = row_ptr<const T>(p.in0, p, 0, rr);
+        const int head = (int)(((u64)x & 15) / sizeof(T));
+        const T* xal = x - head;
+        Vec<T, V> a[NV];
+        Vec<T, V> b[TWO_IN ? NV : 1];
+        if constexpr (PIPE) {
+            issue_row<T, V, NV, TPR, THREADS>(
+                stages + ((it + PIPE_STAGES - 1) % PIPE_STAGES) * NV * THREADS, p,
+                (unit + (PIPE_STAGES - 1) * nunits) * RPB + group, sbase, cols,
+                fill_value<T, OP>());
+            cp_async_commit();
+            cp_async_wait<PIPE_STAGES - 1>();
+            const Vec<T, V>* cur = stages + (it % PIPE_STAGES) * NV * THREADS;
+#pragma unroll
+            for (int j = 0; j < NV; ++j) a[j] = cur[j * THREADS + threadIdx.x];
+        } else {
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int s = sbase + j * TPR;
+                load_slot<T, V>(a[j], xal, s, s * V - head, cols, active, fill_value<T, OP>());
+            }
+        }
+        if constexpr (TWO_IN) {
+            const T* bal = row_ptr<const T>(p.in1, p, 1, rr) - head;
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int s = sbase + j * TPR;
+                load_slot<T, V>(b[j], bal, s, s * V - head, cols, active, T());
+            }
+        }
+        T* yal = row_ptr<T>(p.out0, p, 2, rr) - head;
+        const bool stat_thread = active && lane == 0 && rank == 0;
+#define CL_FOR_ELEMS                                                        \
+    _Pragma("unroll") for (int j = 0; j < NV; ++j)                          \
+    _Pragma("unroll") for (int k = 0; k < V; ++k)
+#define CL_E(j, k) ((sbase + (j) * TPR) * V - head + (k))
+#define CL_VALID(j, k) (active && (unsigned)CL_E(j, k) < (unsigned)cols)
+
+        // Invalid elements (outside the row) were loaded as the op's neutral value (-inf for
+        // the softmax family, 0 otherwise), so the hot loops need no per-element masks.
+        if constexpr (OP == OP_SOFTMAX || OP == OP_LOG_SOFTMAX || OP == OP_CE) {
+            A m = neg_inf<A>();
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V];
+                unpack<T, V>(a[j], f);
+#pragma unroll
+                for (int k = 0; k < V; ++k) m = max_acc(m, f[k]);
+            }
+            // cross-entropy: the target logit is read before the reduction's barriers, so that
+            // with grad_out == logits no thread has overwritten it yet
+            i64 t = 0;
+            bool ignored = false, bad = false;
+            A xt = A(0);
+            if constexpr (OP == OP_CE) {
+                t = active ? load_target<T>(p, rr) : 0;
+                ignored = t == p.ignore_index;
+                bad = !ignored && (t < 0 || t >= cols);
+                if (stat_thread && !ignored && !bad) xt = to_acc(x[t]);
+            }
+            // The row maximum first, then the sum of exp(x - max): two plain reductions are
+            // cheaper than combining (max, sum) pairs (no exp per combine). An all -inf row
+            // sums exp(-inf - 0) = 0 and gives NaN below (like torch); NaN or +inf in a row
+            // make the sum NaN.
+            m = group_reduce<TPR, C, 0>(m, MaxOp());
+            const A mz = (m == neg_inf<A>()) ? A(0) : m;
+            A s = A(0);
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V];
+                unpack<T, V>(a[j], f);
+#pragma unroll
+                for (int k = 0; k < V; ++k) s += exp_row<T>(f[k] - mz);
+            }
+            MaxSum<A> ms;
+            ms.m = m;
+            ms.s = group_reduce<TPR, C, 1>(s, SumOp());
+            if constexpr (TPR <= 32 && OP == OP_CE) __syncwarp();
+            if constexpr (OP == OP_SOFTMAX) {
+                const A inv = A(1) / ms.s;
+#pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    A f[V];
+                    unpack<T, V>(a[j], f);
+#pragma unroll
+                    for (int k = 0; k < V; ++k) f[k] = exp_row<T>(f[k] - ms.m) * inv;
+                    pack<T, V>(f, a[j]);
+                }
+            } else if constexpr (OP == OP_LOG_SOFTMAX) {
+                const A ls = log_acc(ms.s);
+#pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    A f[V];
+                    unpack<T, V>(a[j], f);
+#pragma unroll
+                    for (int k = 0; k < V; ++k) f[k] = (f[k] - ms.m) - ls;
+                    pack<T, V>(f, a[j]);
+                }
+            } else {  // cross-entropy
+                const A eps = (A)p.smooth;
+                A sx = A(0);
+                if (eps > A(0)) {  // sum of the logits (label smoothing): masked, rarely used
+#pragma unroll
+                    for (int j = 0; j < NV; ++j) {
+                        A f[V];
+                        unpack<T, V>(a[j], f);
+#pragma unroll
+                        for (int k = 0; k < V; ++k)
+                            if (CL_VALID(j, k)) sx += f[k];
+                    }
+                    sx = group_reduce<TPR, C, 2>(sx, SumOp());
+                }
+                const A lse = ms.m + log_acc(ms.s);
+                if (stat_thread) {
+                    A loss;
+                    if (ignored) loss = A(0);
+                    else if (bad) loss = quiet_nan<A>();
+                    else {
+                        loss = (A(1) - eps) * (lse - xt);
+                        if (eps > A(0)) loss += eps * (lse - sx * n_inv);
+                    }
+                    reinterpret_cast<A*>(p.loss)[row] = loss;
+                    if (p.st0) reinterpret_cast<A*>(p.st0)[row] = lse;
+                }
+                if (p.out0) {
+                    const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);
+                    const A inv = A(1) / ms.s;
+                    const A sm = eps * n_inv;
+                    const A hit = A(1) - eps;
+#pragma unroll
+                    for (int j = 0; j < NV; ++j) {
+                        A f[V];
+                        unpack<T, V>(a[j], f);
+                        const i64 tk = t - ((i64)(sbase + j * TPR) * V - head);
+#pragma unroll
+                        for (int k = 0; k < V; ++k) {
+                            A g = exp_row<T>(f[k] - ms.m) * inv - sm;
+                            if (k == tk) g -= hit;
+                            f[k] = g * scale;
+                            if (ignored) f[k] = A(0);
+                            if (bad) f[k] = quiet_nan<A>();
+                        }
+                        pack<T, V>(f, a[j]);
+                    }
+                }
+            }
+        } else if constexpr (OP == OP_RMS || OP == OP_ADD_RMS || OP == OP_LN) {
+            if constexpr (OP == OP_ADD_RMS) {
+                T* hal = row_ptr<T>(p.out1, p, 3, rr) - head;
+#pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    A f[V], g[V];
+                    unpack<T, V>(a[j], f);
+                    unpack<T, V>(b[j], g);
+#pragma unroll
+                    for (int k = 0; k < V; ++k) f[k] += g[k];
+                    pack<T, V>(f, a[j]);
+                    const int s = sbase + j * TPR;
+                    store_slot<T, V>(hal, a[j], s, s * V - head, cols, active);
+                }
+            }
+            A mean = A(0);
+            if constexpr (OP == OP_LN) {
+                A s1 = A(0);
+#pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    A f[V];
+                    unpack<T, V>(a[j], f);
+#pragma unroll
+                    for (int k = 0; k < V; ++k) s1 += f[k];  // invalid elements hold 0
+                }
+                mean = group_reduce<TPR, C, 0>(s1, SumOp()) / (A)cols;
+            }
+            A s2 = A(0);
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V];
+                unpack<T, V>(a[j], f);
+                const int e0 = (sbase + j * TPR) * V - head;
+                if (OP != OP_LN || (e0 >= 0 && e0 + V <= cols)) {
+#pragma unroll
+                    for (int k = 0; k < V; ++k) {
+                        A d = f[k] - mean;
+                        s2 += d * d;
+                    }
+                } else {
+#pragma unroll
+                    for (int k = 0; k < V; ++k) {
+                        A d = ((unsigned)(e0 + k) < (unsigned)cols) ? f[k] - mean : A(0);
+                        s2 += d * d;
+                    }
+                }
+            }
+            s2 = group_reduce<TPR, C, 1>(s2, SumOp());
+            const A rstd = rsqrt_acc(s2 * n_inv + (A)p.eps);
+            if (stat_thread) {
+                if (p.st0) reinterpret_cast<A*>(p.st0)[row] = mean;
+                if (p.st1) reinterpret_cast<A*>(p.st1)[row] = rstd;
+            }
+            // each slot is stored as soon as it is computed, with a compiler barrier between
+            // slots: the weight loads of later slots are not hoisted (fewer live registers)
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int e0 = (sbase + j * TPR) * V - head;
+                A wv[V], bv[V], f[V];
+                load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
+                load_wslot<T, V>(bv, p, p.b, e0, cols, A(0));
+                unpack<T, V>(a[j], f);
+#pragma unroll
+                for (int k = 0; k < V; ++k) f[k] = (f[k] - mean) * rstd * wv[k] + bv[k];
+                pack<T, V>(f, a[j]);
+                store_slot<T, V>(yal, a[j], sbase + j * TPR, e0, cols, active);
+                asm volatile("" ::: "memory");
+            }
+        } else if constexpr (OP == OP_SOFTMAX_BWD || OP == OP_LOG_SOFTMAX_BWD) {
+            A d = A(0);
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V], g[V];
+                unpack<T, V>(a[j], f);
+                unpack<T, V>(b[j], g);
+#pragma unroll
+                for (int k = 0; k < V; ++k) d += (OP == OP_SOFTMAX_BWD ? f[k] : A(1)) * g[k];
+            }
+            d = group_reduce<TPR, C, 0>(d, SumOp());
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V], g[V];
+                unpack<T, V>(a[j], f);
+                unpack<T, V>(b[j], g);
+#pragma unroll
+                for (int k = 0; k < V; ++k)
+                    f[k] = OP == OP_SOFTMAX_BWD ? f[k] * (g[k] - d) : g[k] - exp_row<T>(f[k]) * d;
+                pack<T, V>(f, a[j]);
+            }
+        } else {  // OP_RMS_BWD, OP_LN_BWD: in0 = x, in1 = dy (invalid elements hold 0: dy = 0)
+            const A mean = (OP == OP_LN_BWD && active) ? reinterpret_cast<const A*>(p.st0)[rr] : A(0);
+            const A rstd = active ? reinterpret_cast<const A*>(p.st1)[rr] : A(0);
+            Sum2<A> acc;
+            acc.a = A(0);
+            acc.b = A(0);
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int e0 = (sbase + j * TPR) * V - head;
+                A wv[V], f[V], g[V];
+                load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
+                unpack<T, V>(a[j], f);
+                unpack<T, V>(b[j], g);
+#pragma unroll
+                for (int k = 0; k < V; ++k) {
+                    A xh = (f[k] - mean) * rstd;
+                    A gw = g[k] * wv[k];
+                    acc.a += gw;
+                    acc.b += gw * xh;
+                    dwa[j * V + k] += g[k] * xh;
+                    if constexpr (OP == OP_LN_BWD) dba[j * V + k] += g[k];
+                }
+            }
+            acc = group_reduce<TPR, C, 0>(acc, SumOp());
+            const A c1 = OP == OP_LN_BWD ? acc.a * n_inv : A(0), c2 = acc.b * n_inv;
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int e0 = (sbase + j * TPR) * V - head;
+                A wv[V], f[V], g[V];
+                load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
+                unpack<T, V>(a[j], f);
+                unpack<T, V>(b[j], g);
+#pragma unroll
+                for (int k = 0; k < V; ++k) {
+                    A xh = (f[k] - mean) * rstd;
+                    f[k] = rstd * (g[k] * wv[k] - c1 - xh * c2);
+                }
+                pack<T, V>(f, a[j]);
+            }
+        }
+        if ((OP != OP_CE || p.out0) && OP != OP_RMS && OP != OP_LN && OP != OP_ADD_RMS) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int s = sbase + j * TPR;
+                store_slot<T, V>(yal, a[j], s, s * V - head, cols, active);
+            }
+        }
+#undef CL_FOR_ELEMS
+#undef CL_E
+#undef CL_VALID
+    }
+    if constexpr (BWD_W) {
+        // this group's partial column sums: row blockIdx.x * RPB + group of part0 / part1
+        const T* x0 = row_ptr<const T>(p.in0, p, 0, 0);
+        const int head = (int)(((u64)x0 & 15) / sizeof(T));
+        A* pw = reinterpret_cast<A*>(p.part0) + ((i64)blockIdx.x * RPB + group) * cols;
+        A* pb = reinterpret_cast<A*>(p.part1) + ((i64)blockIdx.x * RPB + group) * cols;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                const int e = (sbase + j * TPR) * V - head + k;
+                if ((unsigned)e < (unsigned)cols) {
+                    if (p.part0) pw[e] = dwa[j * V + k];
+                    if (OP == OP_LN_BWD && p.part1) pb[e] = dba[j * V + k];
+                }
+            }
+        }
+    }
+}
+
+template <typename T, int OP, int THREADS, int TPR, int NV>
+__global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_kernel(const RowArgs p) {
+    row_reg<T, OP, THREADS, TPR, NV, 1>(p);
+}
+
+// Persistent variant for single-input forward ops (blocks loop over rows): the next
+// PIPE_STAGES - 1 rows are copied into shared memory while the current one is processed.
+template <typename T, int OP, int THREADS, int TPR, int NV>
+__global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_pipe_kernel(const RowArgs p) {
+    row_reg<T, OP, THREADS, TPR, NV, 1, true>(p);
+}
+
+#if CL_HAS_CLUSTER
+#define CL_CLUSTER_DIMS(c) __cluster_dims__(c, 1, 1)
+#else
+#define CL_CLUSTER_DIMS(c)
+#endif
+
+// One row per cluster of C blocks (sm_90 and newer; an empty kernel when compiled for older
+// GPUs, where the host never launches it).
+template <typename T, int OP, int THREADS, int NV, int C>
+__global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1) row_cluster_kernel(const RowArgs p) {
+#if CL_HAS_CLUSTER
+    row_reg<T, OP, THREADS, THREADS, NV, C>(p);
+#endif
+}
+
+// The pipelined form of the cluster kernel (persistent clusters; sm_90).
+template <typename T, int OP, int THREADS, int NV, int C>
+__global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1) row_cluster_pipe_kernel(const RowArgs p) {
+#if CL_HAS_CLUSTER
+    row_reg<T, OP, THREADS, THREADS, NV, C, true>(p);
+#endif
+}
+
+// ---- generic kernel: any strides, any length ----------------------------------------------
+constexpr int GT = 512;
+
+template <typename T, int OP>
+__global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
+    typedef typename Acc<T>::type A;
+    const i64 cols = p.cols;
+    const A n_inv = A(1) / (A)cols;
+    const i64 c0 = p.cs[0], c1 = p.cs[1], c2 = p.cs[2], c3 = p.cs[3];
+    for (i64 row = blockIdx.x; row < p.rows; row += gridDim.x) {
+        const T* x = row_ptr<const T>(p.in0, p, 0, row);
+        T* y = row_ptr<T>(p.out0, p, 2, row);
+        const bool stat_thread = threadIdx.x == 0;
+        if constexpr (OP == OP_SOFTMAX || OP == OP_LOG_SOFTMAX || OP == OP_CE) {
+            MaxSum<A> ms;
+            ms.m = neg_inf<A>();
+            ms.s = A(0);
+            A sx = A(0);
+            i64 t = 0;
+            bool ignored = false, bad = false;
+            A xt = A(0);
+            if constexpr (OP == OP_CE) {  // before the barriers (grad_out may be the logits)
+                t = load_target<T>(p, row);
+                ignored = t == p.ignore_index;
+                bad = !ignored && (t < 0 || t >= cols);
+                if (stat_thread && !ignored && !bad) xt = to_acc(x[t * c0]);
+            }
+            for (i64 c = threadIdx.x; c < cols; c += GT) {
+                A v = to_acc(x[c * c0]);
+                sx += v;
+                if (v > ms.m) {
+                    ms.s = (ms.m == neg_inf<A>() ? A(0) : ms.s * exp_row<T>(ms.m - v));
+                    ms.m = v;
+                }
+                if (!(v == neg_inf<A>())) ms.s += exp_row<T>(v - ms.m);
+            }
+            ms = group_reduce<GT, 1, 0>(ms, MaxSumOp());
+            if constexpr (OP == OP_SOFTMAX) {
+                const A inv = A(1) / ms.s;
+                for (i64 c = threadIdx.x; c < cols; c += GT)
+                    y[c * c2] = from_acc<T>(exp_row<T>(to_acc(x[c * c0]) - ms.m) * inv);
+            } else if constexpr (OP == OP_LOG_SOFTMAX) {
+                const A ls = log_acc(ms.s);
+                for (i64 c = threadIdx.x; c < cols; c += GT)
+                    y[c * c2] = from_acc<T>((to_acc(x[c * c0]) - ms.m) - ls);
+            } else {
+                const A eps = (A)p.smooth;
+                if (eps > A(0)) sx = group_reduce<GT, 1, 1>(sx, SumOp());
+                const A lse = ms.m + log_acc(ms.s);
+                if (stat_thread) {
+                    A loss;
+                    if (ignored) loss = A(0);
+                    else if (bad) loss = quiet_nan<A>();
+                    else {
+                        loss = (A(1) - eps) * (lse - xt);
+                        if (eps > A(0)) loss += eps * (lse - sx * n_inv);
+                    }
+                    reinterpret_cast<A*>(p.loss)[row] = loss;
+                    if (p.st0) reinterpret_cast<A*>(p.st0)[row] = lse;
+                }
+                if (p.out0) {
+                    const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);
+                    const A inv = A(1) / ms.s;
+                    for (i64 c = threadIdx.x; c < cols; c += GT) {
+                        A g;
+                        if (ignored) g = A(0);
+                        else if (bad) g = quiet_nan<A>();
+                        else {
+                            g = exp_row<T>(to_acc(x[c * c0]) - ms.m) * inv - eps * n_inv;
+                            if (c == t) g -= A(1) - eps;
+                            g *= scale;
+                        }
+                        y[c * c2] = from_acc<T>(g);
+                    }
+                }
+            }
+        } else if constexpr (OP == OP_RMS || OP == OP_ADD_RMS || OP == OP_LN) {
+            // the values normalised: x, or h = x + residual (rounded, written to out1 first)
+            const T* src = x;
+            i64 cs = c0;
+            if constexpr (OP == OP_ADD_RMS) {
+                const T* r = row_ptr<const T>(p.in1, p, 1, row);
+                T* h = row_ptr<T>(p.out1, p, 3, row);
+                for (i64 c = threadIdx.x; c < cols; c += GT)
+                    h[c * c3] = from_acc<T>(to_acc(x[c * c0]) + to_acc(r[c * c1]));
+                src = h;
+                cs = c3;
+            }
+            A mean = A(0);
+            if constexpr (OP == OP_LN) {
+                A s1 = A(0);
+                for (i64 c = threadIdx.x; c < cols; c += GT) s1 += to_acc(src[c * cs]);
+                mean = group_reduce<GT, 1, 0>(s1, SumOp()) / (A)cols;
+            }
+            A s2 = A(0);
+            for (i64 c = threadIdx.x; c < cols; c += GT) {
+                A d = to_acc(src[c * cs]) - mean;
+                s2 += d * d;
+            }
+            s2 = group_reduce<GT, 1, 1>(s2, SumOp());
+            const A rstd = rsqrt_acc(s2 * n_inv + (A)p.eps);
+            if (stat_thread) {
+                if (p.st0) reinterpret_cast<A*>(p.st0)[row] = mean;
+                if (p.st1) reinterpret_cast<A*>(p.st1)[row] = rstd;
+            }
+            for (i64 c = threadIdx.x; c < cols; c += GT)
+                y[c * c2] = from_acc<T>((to_acc(src[c * cs]) - mean) * rstd * load_w<T>(p, p.w, c, A(1)) +
+                                        load_w<T>(p, p.b, c, A(0)));
+        } else if constexpr (OP == OP_SOFTMAX_BWD || OP == OP_LOG_SOFTMAX_BWD) {
+            const T* dy = row_ptr<const T>(p.in1, p, 1, row);
+            A d = A(0);
+            for (i64 c = threadIdx.x; c < cols; c += GT)
+                d += (OP == OP_SOFTMAX_BWD ? to_acc(x[c * c0]) : A(1)) * to_acc(dy[c * c1]);
+            d = group_reduce<GT, 1, 0>(d, SumOp());
+            for (i64 c = threadIdx.x; c < cols; c += GT) {
+                A yv = to_acc(x[c * c0]), g = to_acc(dy[c * c1]);
+                y[c * c2] = from_acc<T>(OP == OP_SOFTMAX_BWD ? yv * (g - d) : g - exp_row<T>(yv) * d);
+            }
+        } else {  // OP_RMS_BWD, OP_LN_BWD
+            const T* dy = row_ptr<const T>(p.in1, p, 1, row);
+            const A mean = OP == OP_LN_BWD ? reinterpret_cast<const A*>(p.st0)[row] : A(0);
+            const A rstd = reinterpret_cast<const A*>(p.st1)[row];
+            const bool first = row == (i64)blockIdx.x;
+            A* pw = reinterpret_cast<A*>(p.part0) + (i64)blockIdx.x * cols;
+            A* pb = reinterpret_cast<A*>(p.part1) + (i64)blockIdx.x * cols;
+            Sum2<A> acc;
+            acc.a = A(0);
+            acc.b = A(0);
+            for (i64 c = threadIdx.x; c < cols; c += GT) {
+                A g = to_acc(dy[c * c1]), xh = (to_acc(x[c * c0]) - mean) * rstd;
+                if (p.part0) pw[c] = (first ? A(0) : pw[c]) + g * xh;
+                if (OP == OP_LN_BWD && p.part1) pb[c] = (first ? A(0) : pb[c]) + g;
+                g *= load_w<T>(p, p.w, c, A(1));
+                acc.a += g;
+                acc.b += g * xh;
+            }
+            acc = group_reduce<GT, 1, 0>(acc, SumOp());
+            const A k1 = OP == OP_LN_BWD ? acc.a * n_inv : A(0), k2 = acc.b * n_inv;
+            for (i64 c = threadIdx.x; c < cols; c += GT) {
+                A xh = (to_acc(x[c * c0]) - mean) * rstd;
+                y[c * c2] = from_acc<T>(rstd * (to_acc(dy[c * c1]) * load_w<T>(p, p.w, c, A(1)) - k1 - xh * k2));
+            }
+        }
+    }
+}
+
+// ---- small second-stage kernels --------------------------------------------------------
+// out[c * out_stride] = sum over parts i of part[i * cols + c], in order (deterministic).
+template <typename A, typename W>
+__global__ void __launch_bounds__(256) col_sum(const A* part, i64 nparts, i64 cols, W* out,
+                                               i64 out_stride) {
+    i64 c = (i64)blockIdx.x * 256 + threadIdx.x;
+    if (c >= cols) return;
+    A s = A(0);
+    for (i64 i = 0; i < nparts; ++i) s += part[i * cols + c];
+    out[c * out_stride] = from_acc<W>(s);
+}
+
+// Cross-entropy bookkeeping in one block: counts the targets that are not ignored; writes
+// p.scale[0] = 1 / count (0 when none) when p.scale is set (mean reduction with the
+// gradient), and p.out0[0] = sum of p.loss (divided by count when flags & 2) when p.out0 is
+// set. Sums in float64, in a fixed order.
+template <typename A>
+__global__ void __launch_bounds__(1024) ce_aux(const RowArgs p) {
+    double cnt = 0, sum = 0;
+    for (i64 r = threadIdx.x; r < p.rows; r += 1024) {
+        if (p.scale || (p.flags & 2)) cnt += load_target<A>(p, r) != p.ignore_index ? 1.0 : 0.0;
+        if (p.out0) sum += (double)reinterpret_cast<const A*>(p.loss)[r];
+    }
+    Sum2<double> v;
+    v.a = cnt;
+    v.b = sum;
+    v = group_reduce<1024, 1, 0>(v, SumOp());
+    if (threadIdx.x == 0) {
+        if (p.scale) reinterpret_cast<A*>(p.scale)[0] = v.a > 0 ? (A)(1.0 / v.a) : A(0);
+        if (p.out0) reinterpret_cast<A*>(p.out0)[0] = (A)((p.flags & 2) ? v.b / v.a : v.b);
+    }
+}
+
+}  // namespace cl

@@ -1,0 +1,449 @@
+"""Shared machinery of the row-wise operators (:mod:`cupylab.ops.rowwise`): argument
+gathering, the row layout (rows x columns over any leading shape), the choice of kernel per row
+length, programs and launches over ``cuda_src/rowwise.cu``.
+
+Kernel choice (:func:`choose`): the register kernels hold a row in registers as 16-byte vectors
+and read it once; they need the last axis contiguous and every row operand starting at the
+same offset modulo 16 bytes in each row. The ladder below is tried from the smallest class up:
+``(threads per block, threads per row, vectors per thread, cluster size)``; a class holds
+``threads per row x vectors x cluster size`` 16-byte slots. Cluster classes (one row spread
+over 2-8 blocks that meet in distributed shared memory) need compute capability 9.0. Anything
+else (a strided last axis, mixed alignment, a longer row) goes to ``row_generic``: one block
+per row that reads the row two or three times.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import sys
+
+from .. import _arrays, _compile, _dtypes, _launch, _runtime
+from .._elementwise_core import allocate, c_strides, check_overlap, coalesce, finish_output
+
+FLOATS = tuple(_dtypes.from_name(n) for n in ("float16", "bfloat16", "float32", "float64"))
+F32 = _dtypes.from_name("float32")
+F64 = _dtypes.from_name("float64")
+I32 = _dtypes.from_name("int32")
+I64 = _dtypes.from_name("int64")
+
+OP = {"softmax": 0, "log_softmax": 1, "rms_norm": 2, "layer_norm": 3, "add_rms_norm": 4,
+      "cross_entropy": 5, "softmax_backward": 10, "log_softmax_backward": 11,
+      "rms_norm_backward": 12, "layer_norm_backward": 13}
+#: ops whose register kernel also accumulates weight/bias gradients (persistent grid)
+BWD_W = (12, 13)
+
+#: (threads, threads per row, 16-byte vectors per thread, cluster size), smallest first
+FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 128, 4, 1),
+              (256, 256, 4, 1), (512, 512, 4, 1), (1024, 1024, 4, 1), (1024, 1024, 4, 2),
+              (1024, 1024, 4, 4), (1024, 1024, 4, 8))
+#: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
+BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 128, 2, 1),
+              (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
+GENERIC_THREADS = 512  # GT in rowwise.cu
+#: single-input forward ops that use the persistent cp.async pipeline (row_pipe_kernel) for
+#: the non-cluster classes; PIPE_STAGES rows per block in shared memory
+PIPE_OPS = (0, 1, 2, 3, 5)
+PIPE_STAGES = 3  # PIPE_STAGES in rowwise.cu
+_SMEM_PER_SM = 233472  # bytes of shared memory per SM on sm_90 (228 KiB), 1 KiB reserved/block
+GROUPS = {"softmax": (0, 1), "norm": (2, 3, 4), "ce": (5,), "softmax_bwd": (10, 11),
+          "norm_bwd": (12, 13)}
+ARGS_FMT = "13Q5q12q2d"  # struct RowArgs
+FLAG_TARGET_I32, FLAG_MEAN, FLAG_W_F32 = 1, 2, 4
+_INT32_MAX = 2**31 - 1
+
+
+def ladder(op):
+    return BWD_LADDER if op >= 10 else FWD_LADDER
+
+
+def group_of(op):
+    for g, ops in GROUPS.items():
+        if op in ops:
+            return g
+    raise KeyError(op)
+
+
+def acc_dtype(dt):
+    """dtype of the statistics, losses and partial sums: float64 for float64, else float32."""
+    return F64 if dt.name == "float64" else F32
+
+
+def kernel_name(op, dt, cls, pipe=False):
+    if cls is None:
+        return f"cl::row_generic<{dt.ctype}, {op}>"
+    th, tpr, nv, c = cls
+    if pipe and c > 1:
+        return f"cl::row_cluster_pipe_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
+    if pipe:
+        return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
+    if c > 1:
+        return f"cl::row_cluster_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
+    return f"cl::row_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
+
+
+def name_expressions(group, dt):
+    names = []
+    for op in GROUPS[group]:
+        names += [kernel_name(op, dt, cls) for cls in ladder(op)] + [kernel_name(op, dt, None)]
+        if op in PIPE_OPS:
+            names += [kernel_name(op, dt, cls, True) for cls in ladder(op)]
+    a = acc_dtype(dt)
+    if group == "ce":
+        names.append(f"cl::ce_aux<{a.ctype}>")
+    if group == "norm_bwd":
+        for w in {dt.name: dt, **({"float32": F32} if dt.itemsize == 2 else {})}.values():
+            names.append(f"cl::col_sum<{a.ctype}, {w.ctype}>")
+    return names
+
+
+_programs: dict = {}
+_kernels: dict = {}
+
+
+def program(group, dt) -> _compile.Program:
+    key = (group, dt.name)
+    p = _programs.get(key)
+    if p is None:
+        p = _programs.setdefault(key, _compile.Program.from_file(
+            _compile.cuda_src_dir() / "rowwise.cu", name_expressions(group, dt)))
+    return p
+
+
+def all_programs():
+    """Every program this family can launch (CI compiles them for sm_80 and sm_90)."""
+    return [program(g, dt) for g in GROUPS for dt in FLOATS]
+
+
+def kernel(group, dt, name, fmts=(ARGS_FMT,)):
+    key = (group, dt.name, name)
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels.setdefault(key, _launch.Kernel(program(group, dt), name, list(fmts)))
+    return k
+
+
+# --------------------------------------------------------------------------------------------
+# kernel choice (pure: tested on the CPU)
+def choose(op, dt, cols, vec_ok, head, cc):
+    """The register class for a row of ``cols`` elements, or ``None`` for the generic kernel.
+
+    ``head``: the elements before the first 16-byte boundary when it is the same in every
+    row, else ``None`` (then room for the worst case is kept). ``vec_ok``: the last axis is
+    contiguous and all row operands share their offset modulo 16 bytes in every row."""
+    if not vec_ok or cols > _INT32_MAX // 2:
+        return None
+    if op in BWD_W and head is None:
+        return None  # the per-column weight-gradient sums need a fixed column per register
+    v = 16 // dt.itemsize
+    need = -(-(cols + (v - 1 if head is None else head)) // v)
+    for cls in ladder(op):
+        th, tpr, nv, c = cls
+        if c > 1 and cc < 90:
+            continue
+        if tpr * nv * c >= need:
+            return cls
+    return None
+
+
+def grid_for(op, cls, rows, sm_count):
+    """``(grid, parts)``: blocks to launch and, for the weight-gradient ops, the rows of
+    partial sums they write."""
+    if cls is None:
+        if op in BWD_W:
+            g = max(1, min(rows, sm_count * 4))
+            return g, g
+        return max(1, min(rows, _INT32_MAX)), 0
+    th, tpr, nv, c = cls
+    rpb = th // tpr
+    units = -(-rows // rpb)
+    if op in BWD_W:
+        g = max(1, min(units, sm_count * max(1, 1024 // th)))
+        return g, g * rpb
+    return max(1, min(units, _INT32_MAX // c)) * c, 0
+
+
+class Layout:
+    """Rows x columns of a set of operands: ``rows``, ``cols``, ``n1`` (inner leading extent),
+    per operand slot (in0, in1, out0, out1) the outer/inner row strides and column stride,
+    ``vec_ok`` and ``head`` (see :func:`choose`)."""
+
+    __slots__ = ("rows", "cols", "n1", "so", "si", "cs", "vec_ok", "head", "lead_shape")
+
+
+_layouts: dict = {}
+_LAYOUT_CACHE_MAX = 512
+
+
+def row_layout(opname, shape, slots, axis, extra=()):
+    """:func:`make_layout`, memoised on everything the layout depends on (shape, axis, each
+    operand's strides and address modulo 16): repeated calls on same-shaped arrays skip the
+    dimension merging."""
+    key = (opname, shape, axis, tuple((v.strides, v.ptr % 16, v.dtype.itemsize) if v is not None
+                                      else None for v in slots),
+           tuple(v.strides for v in extra))
+    lay = _layouts.get(key)
+    if lay is None:
+        lay = make_layout(opname, shape, slots, axis, extra)
+        if len(_layouts) >= _LAYOUT_CACHE_MAX:
+            _layouts.clear()
+        _layouts[key] = lay
+    return lay
+
+
+def make_layout(opname, shape, slots, axis, extra=()):
+    """Layout of ``slots`` (4 Views or None, all of ``shape``) reduced along ``axis``;
+    ``extra``: Views of the leading shape only (the target) sharing the row indexing, put in
+    slot 1. Raises ValueError when the leading dims cannot be merged into two."""
+    nd = len(shape)
+    ax = axis % nd
+    lead = tuple(e for i, e in enumerate(shape) if i != ax)
+    cols = shape[ax]
+    ops = [(i, v) for i, v in enumerate(slots) if v is not None]
+    lead_strides = [tuple(s for j, s in enumerate(v.strides) if j != ax) for _, v in ops]
+    lead_strides += [tuple(v.strides) for v in extra]
+    sh, sts = coalesce(lead, lead_strides) if lead else ((), [() for _ in lead_strides])
+    if len(sh) > 2:
+        raise ValueError(
+            f"{opname}: the leading dimensions {lead} cannot be merged into two strided levels "
+            "for these arrays; make them contiguous first")
+    lay = Layout()
+    rows = 1
+    for e in lead:
+        rows *= e
+    lay.rows, lay.cols, lay.lead_shape = rows, cols, lead
+    lay.n1 = sh[-1] if sh else 1
+    so, si, cs = [0] * 4, [0] * 4, [0] * 4
+    for (i, v), st in zip(ops, sts):
+        if len(st) == 2:
+            so[i], si[i] = st
+        elif len(st) == 1:
+            si[i] = st[0]
+        cs[i] = v.strides[ax] if cols > 1 else 1
+    if extra:
+        st = sts[len(ops)]
+        so[1], si[1] = (st if len(st) == 2 else ((0,) + tuple(st) if st else (0, 0)))
+    lay.so, lay.si, lay.cs = so, si, cs
+    isz = slots[0].dtype.itemsize
+    vec = all(cs[i] == 1 for i, _ in ops)
+    mods = {(v.ptr % 16, (so[i] * isz) % 16, (si[i] * isz) % 16) for i, v in ops}
+    lay.vec_ok = vec and len(mods) == 1
+    lay.head = None
+    if lay.vec_ok:
+        p, a, b = mods.pop()
+        lay.head = p // isz if (a == 0 and b == 0) else None
+    return lay
+
+
+# --------------------------------------------------------------------------------------------
+# arguments: any framework's arrays -> Views, device, stream (kept in one function so the
+# shared DLPack-with-stream helper planned for the core can replace it)
+class Ctx:
+    __slots__ = ("views", "kind", "device", "stream", "explicit_stream")
+
+
+_KINDS = {"torch": "torch", "cupy": "cupy", "jax": "jax", "numba": "numba"}
+
+
+def gather(opname, arrays, stream=None):
+    """Views for ``arrays`` (an ordered dict ``name -> object or None``; the first array
+    decides the device and the output framework), on the caller's stream (torch's for torch
+    inputs, CuPy's otherwise) or ``stream``. DLPack-only producers (JAX ...) are imported with
+    that stream; producers that name their stream (CAI v3) are waited for."""
+    items = [(k, v) for k, v in arrays.items() if v is not None]
+    fns = {}
+    for k, v in items:
+        fn = _arrays.framework_of(v)
+        if fn is None:
+            raise TypeError(
+                f"{opname}: {k} must be a CUDA device array (CuPy, torch, JAX, Numba, or an "
+                f"object with __cuda_array_interface__ / __dlpack__); got "
+                f"{type(v).__module__}.{type(v).__qualname__}")
+        fns[k] = fn
+    views = {}
+    for k, v in items:
+        if fns[k].__name__ not in ("_from_jax", "_from_dlpack"):  # the stream-free adapters
+            views[k] = _arrays.as_view(v, f"{opname}: {k}")
+    lk, lv = items[0]
+    if lk in views:
+        kind = _KINDS.get(views[lk].kind, "cupy")
+        device = views[lk].device
+        if device is None:
+            device = (_runtime.pointer_device(views[lk].ptr) if views[lk].ptr
+                      else _runtime.current_device())
+    else:
+        kind = "jax" if fns[lk].__name__ == "_from_jax" else "cupy"
+        device = int(lv.__dlpack_device__()[1])
+    c = Ctx()
+    with _launch.ensure_device(device):
+        s = (_launch.current_stream(kind, device) if stream is None
+             else _launch.resolve_stream(stream))
+        for k, v in items:
+            if k not in views:
+                views[k] = _arrays.as_view(v, f"{opname}: {k}", s)
+        for k, v in views.items():
+            if v.device is None:
+                v.device = _runtime.pointer_device(v.ptr) if v.ptr else device
+            if v.device != device:
+                raise ValueError(f"{opname}: arrays are on different GPUs ({lk} on cuda:{device}, "
+                                 f"{k} on cuda:{v.device})")
+            if v.stream is not None:
+                _launch.wait_for(s, v.stream, device)
+    c.views, c.kind, c.device, c.stream, c.explicit_stream = views, kind, device, s, stream
+    return c
+
+
+def check_float(opname, name, v):
+    if v.dtype not in FLOATS:
+        raise TypeError(f"{opname}: {name} must be float16, bfloat16, float32 or float64 "
+                        f"(got {v.dtype.name})")
+
+
+def check_same(opname, name, v, ref, ref_name="x"):
+    if v.dtype is not ref.dtype:
+        raise TypeError(f"{opname}: {name} must have the dtype of {ref_name} ({ref.dtype.name}); "
+                        f"got {v.dtype.name}")
+    if v.shape != ref.shape:
+        raise ValueError(f"{opname}: {name} must have the shape of {ref_name} {ref.shape}; "
+                         f"got {v.shape}")
+
+
+def check_vector(opname, name, v, x, cols, allow_f32=True):
+    """A weight/bias: shape (cols,), contiguous, x's dtype or float32 with 16-bit x.
+    Returns the FLAG_W_F32 bit."""
+    if v.shape != (cols,):
+        raise ValueError(f"{opname}: {name} must have shape ({cols},) (got {v.shape})")
+    if cols > 1 and v.strides[0] != 1:
+        raise ValueError(f"{opname}: {name} must be contiguous (got stride {v.strides[0]})")
+    if v.dtype is x.dtype:
+        return 0
+    if allow_f32 and v.dtype is F32 and x.dtype.itemsize == 2:
+        return FLAG_W_F32
+    raise TypeError(f"{opname}: {name} must be {x.dtype.name}"
+                    f"{' or float32' if x.dtype.itemsize == 2 else ''} (got {v.dtype.name})")
+
+
+def check_stats(opname, name, v, rows, a):
+    if v.dtype is not a:
+        raise TypeError(f"{opname}: {name} must be {a.name} (the statistics the forward "
+                        f"returns); got {v.dtype.name}")
+    if v.size != rows:
+        raise ValueError(f"{opname}: {name} must hold one value per row ({rows}); got shape "
+                         f"{v.shape}")
+    keep = [(e, s) for e, s in zip(v.shape, v.strides) if e != 1]
+    if rows and (len(keep) > 1 or (keep and keep[0][1] != 1)):
+        raise ValueError(f"{opname}: {name} must be contiguous")
+
+
+def check_out(opname, name, v, shape, dt):
+    if v.readonly:
+        raise ValueError(f"{opname}: {name} is read-only ({v.kind} array); pass none and use the "
+                         "returned array")
+    if v.shape != tuple(shape):
+        raise ValueError(f"{opname}: {name} has shape {v.shape}, expected {tuple(shape)}")
+    if v.dtype is not dt:
+        raise TypeError(f"{opname}: {name} has dtype {v.dtype.name}, expected {dt.name}")
+    if 0 not in v.shape and any(s == 0 and e > 1 for s, e in zip(v.strides, v.shape)):
+        raise ValueError(f"{opname}: {name} has zero strides (a broadcast view); it cannot be "
+                         "written")
+
+
+def overlap(opname, out, out_name, inputs):
+    """``out`` may be exactly one of the inputs (in place) but must not partly overlap any."""
+    names = [n for n, v in inputs if v is not None]
+    views = [v for _, v in inputs if v is not None]
+    check_overlap(opname, out, out.shape, views, names)
+    del out_name
+
+
+def new_array(c, shape, dt):
+    """A new C-contiguous array in the caller's framework, and its View."""
+    obj = allocate(c.kind, tuple(shape), dt, c.device)
+    if (c.kind == "torch" and c.explicit_stream is not None
+            and c.stream != _launch.current_stream("torch", c.device)):
+        torch = sys.modules["torch"]
+        obj.record_stream(torch.cuda.ExternalStream(c.stream, device=c.device))
+    return obj, _arrays.as_view(obj, "output")
+
+
+def finish(c, obj):
+    return finish_output(c.kind, obj, c.stream, c.device)
+
+
+def pack(ptrs, lay, rows_override=None, ignore_index=0, flags=0, eps=0.0, smooth=0.0):
+    """The RowArgs values: ``ptrs`` maps out0 out1 in0 in1 w b st0 st1 part0 part1 target
+    loss scale to addresses (missing: 0)."""
+    order = ("out0", "out1", "in0", "in1", "w", "b", "st0", "st1", "part0", "part1", "target",
+             "loss", "scale")
+    vals = [int(ptrs.get(k, 0) or 0) for k in order]
+    rows = lay.rows if rows_override is None else rows_override
+    vals += [rows, lay.cols, max(1, lay.n1), int(ignore_index), int(flags)]
+    vals += list(lay.so) + list(lay.si) + list(lay.cs)
+    vals += [float(eps), float(smooth)]
+    return tuple(vals)
+
+
+#: bytes of struct RowArgs (32 fields of 8 bytes; pinned by a CPU test)
+ARGS_SIZE = struct.calcsize("@" + ARGS_FMT)
+
+
+def pipe_plan(op, cls, rows, sm_count, smem_optin):
+    """``(grid, dynamic shared memory)`` of the persistent pipelined kernel for ``cls``, or
+    None when it does not apply (other ops, too little shared memory, the
+    ``CUPYLAB_ROWWISE_PIPELINE=0`` switch). Persistent grids never exceed what is resident at
+    once; cluster grids assume clusters are placed within groups of 16 SMs (H100/H200 GPCs
+    hold 16-18)."""
+    if op not in PIPE_OPS or cls is None:
+        return None
+    if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") == "0":
+        return None
+    th, tpr, nv, c = cls
+    smem = PIPE_STAGES * nv * th * 16
+    if smem > smem_optin:
+        return None
+    per_sm = max(1, min(2048 // th, 65536 // (64 * th), _SMEM_PER_SM // (smem + 1024)))
+    units = -(-rows // (th // tpr))
+    if c > 1:
+        resident = (sm_count // 16) * (16 // c) * per_sm
+        return max(1, min(units, resident)) * c, smem
+    return max(1, min(units, sm_count * per_sm)), smem
+
+
+_smem_set: dict = {}
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def _opt_in(k, device, smem):
+    key = (id(k), device)
+    if _smem_set.get(key, 0) >= smem:
+        return
+    from cupy_backends.cuda.api import driver  # noqa: PLC0415 - CuPy is loaded by now
+
+    driver.funcSetAttribute(k.function(device), _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            smem)
+    _smem_set[key] = smem
+
+
+def launch_rows(c, op, dt, lay, args_fn, parts_cb=None):
+    """Choose the kernel for ``lay`` and launch it on ``c.stream``. ``args_fn(parts_ptrs)``
+    returns the packed arguments given the partial-sum buffers (``parts_cb(nparts)`` makes
+    them for the weight-gradient ops). Returns ``(partial rows, class)``."""
+    info = _runtime.device_info(c.device)
+    cls = choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
+    pp = pipe_plan(op, cls, lay.rows, info.sm_count, info.max_smem_optin)
+    smem = 0
+    if pp is not None:
+        grid, smem = pp
+        nparts = 0
+        k = kernel(group_of(op), dt, kernel_name(op, dt, cls, True))
+        _opt_in(k, c.device, smem)  # beyond the 48 KiB default with the static reduce arrays
+    else:
+        grid, nparts = grid_for(op, cls, lay.rows, info.sm_count)
+        k = kernel(group_of(op), dt, kernel_name(op, dt, cls))
+    parts = parts_cb(nparts) if (parts_cb is not None and nparts) else {}
+    block = GENERIC_THREADS if cls is None else cls[0]
+    k.launch(c.device, grid, block, c.stream, args_fn(parts), shared_mem=smem)
+    return nparts, cls
+
+
+def contiguous_1d(v):
+    return all(s == st or e == 1 for e, s, st in zip(v.shape, v.strides, c_strides(v.shape)))

@@ -1,0 +1,130 @@
+"""Cross-entropy over the last axis of logits, with the gradient written during the forward
+pass (kernels in ``cuda_src/rowwise.cu``: the row kernels with ``OP_CE`` and ``ce_aux``)."""
+from __future__ import annotations
+
+from . import _rowcore as rc
+
+__all__ = ["cross_entropy"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+                  return_grad=False, return_lse=False, grad_out=None, *, stream=None):
+    """Softmax cross-entropy of ``logits`` (shape ``(..., n)``) against class indices
+    ``target`` (shape ``logits.shape[:-1]``), like ``torch.nn.functional.cross_entropy`` with
+    the class axis last.
+
+    Per row ``lse = logsumexp(logits)`` and ``loss = (1 - s) * (lse - logits[t]) + s * (lse -
+    mean(logits))`` with ``s = label_smoothing``. Rows whose target is ``ignore_index`` have
+    loss 0 and gradient 0 and do not count in the mean. **Targets out of range** (``t < 0`` or
+    ``t >= n``, other than ``ignore_index``) are not checked on the host (that would
+    synchronise): such a row's loss and gradient are NaN, so a mean or sum is NaN too.
+
+    With ``return_grad=True`` the same kernel writes ``dlogits``, the gradient of the returned
+    (reduced) loss: ``scale * (softmax(logits) - (1 - s) * onehot(t) - s / n)`` with ``scale =
+    1 / (number of rows not ignored)`` for ``"mean"`` and 1 for ``"sum"`` and ``"none"`` (for
+    ``"none"``: the gradient of the sum of the row losses). The logits are read once; nothing
+    is allocated beyond the gradient (or nothing at all with ``grad_out=logits``) and
+    O(rows) float32 values.
+
+    Parameters
+    ----------
+    logits : GPU array, float16 / bfloat16 / float32 / float64
+        Last axis contiguous for the single-read kernels (up to 262,144 classes of 16-bit
+        data on compute capability 9.0), else read by the generic kernel.
+    target : GPU array of int64 or int32
+    ignore_index : int
+    label_smoothing : float in [0, 1]
+    reduction : {"mean", "sum", "none"}
+    return_grad : bool
+    return_lse : bool
+        Also return the per-row logsumexp (float32; float64 for float64 logits).
+    grad_out : GPU array, optional
+        Where to write the gradient (logits' shape and dtype); may be ``logits`` itself, which
+        then holds the gradient afterwards. Implies ``return_grad``.
+    stream : stream, optional
+
+    Returns
+    -------
+    loss, or a tuple ``(loss, dlogits)``, ``(loss, lse)`` or ``(loss, dlogits, lse)``
+        ``loss``: a 0-d array for ``"mean"``/``"sum"``, per row (shape ``logits.shape[:-1]``)
+        for ``"none"``; float32 (float64 for float64 logits). ``"mean"`` over no counted row
+        is NaN (like torch).
+
+    Raises
+    ------
+    TypeError
+        Host arrays, unsupported dtypes (target must be int32 or int64), torch tensors that
+        require grad.
+    ValueError
+        Shapes that do not match, an unknown ``reduction``, ``label_smoothing`` outside
+        [0, 1], a bad ``grad_out``, arrays on different GPUs.
+    """
+    op = "cross_entropy"
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS} (got {reduction!r})")
+    if (not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool)
+            or not 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"{op}: label_smoothing must be a number in [0, 1] (got "
+                         f"{label_smoothing!r})")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"{op}: ignore_index must be an int (got {ignore_index!r})")
+    return_grad = return_grad or grad_out is not None
+    c = rc.gather(op, {"logits": logits, "target": target, "grad_out": grad_out}, stream)
+    xv, tv = c.views["logits"], c.views["target"]
+    rc.check_float(op, "logits", xv)
+    if xv.ndim == 0:
+        raise ValueError(f"{op}: logits must have at least one dimension (got a 0-d array)")
+    if tv.dtype not in (rc.I64, rc.I32):
+        raise TypeError(f"{op}: target must be int64 or int32 (got {tv.dtype.name})")
+    if tv.shape != xv.shape[:-1]:
+        raise ValueError(f"{op}: target must have shape {xv.shape[:-1]} (logits.shape[:-1]); "
+                         f"got {tv.shape}")
+    a = rc.acc_dtype(xv.dtype)
+    gv = gobj = None
+    if return_grad:
+        if grad_out is not None:
+            gv, gobj = c.views["grad_out"], grad_out
+            rc.check_out(op, "grad_out", gv, xv.shape, xv.dtype)
+            rc.overlap(op, gv, "grad_out", [("logits", xv), ("target", tv)])
+        else:
+            gobj, gv = rc.new_array(c, xv.shape, xv.dtype)
+    lay = rc.row_layout(op, xv.shape, [xv, None, gv, None], -1, extra=(tv,))
+    rows, cols = lay.rows, lay.cols
+    if rows and not cols:
+        raise ValueError(f"{op}: logits has no classes (shape {xv.shape})")
+    loss_obj, lv = rc.new_array(c, lay.lead_shape, a)
+    lse_obj = lsv = None
+    if return_lse:
+        lse_obj, lsv = rc.new_array(c, lay.lead_shape, a)
+    red_obj = rv = None
+    if reduction != "none":
+        red_obj, rv = rc.new_array(c, (), a)
+    flags = rc.FLAG_TARGET_I32 if tv.dtype is rc.I32 else 0
+    with rc._launch.ensure_device(c.device):
+        aux = rc.kernel("ce", xv.dtype, f"cl::ce_aux<{a.ctype}>")
+        tptr = tv.ptr
+        scale_obj = sv = None
+        if return_grad and reduction == "mean" and rows:
+            scale_obj, sv = rc.new_array(c, (1,), a)
+            aux.launch(c.device, 1, 1024, c.stream, rc.pack(
+                {"target": tptr, "scale": sv.ptr}, lay, ignore_index=ignore_index,
+                flags=flags))
+        if rows:
+            rc.launch_rows(c, rc.OP[op], xv.dtype, lay, lambda parts: rc.pack(
+                {"in0": xv.ptr, "out0": gv.ptr if gv is not None else 0, "target": tptr,
+                 "loss": lv.ptr, "st0": lsv.ptr if lsv is not None else 0,
+                 "scale": sv.ptr if sv is not None else 0},
+                lay, ignore_index=ignore_index, flags=flags, smooth=label_smoothing))
+        if rv is not None:
+            mean = rc.FLAG_MEAN if reduction == "mean" else 0
+            aux.launch(c.device, 1, 1024, c.stream, rc.pack(
+                {"target": tptr, "loss": lv.ptr, "out0": rv.ptr}, lay,
+                ignore_index=ignore_index, flags=flags | mean))
+    res = [rc.finish(c, red_obj if red_obj is not None else loss_obj)]
+    if return_grad:
+        res.append(gobj if grad_out is not None else rc.finish(c, gobj))
+    if return_lse:
+        res.append(rc.finish(c, lse_obj))
+    return res[0] if len(res) == 1 else tuple(res)

@@ -1,0 +1,498 @@
+"""Row-wise fused operators over the last axis: ``softmax``, ``log_softmax``, ``rms_norm``,
+``layer_norm``, ``add_rms_norm`` and their backward (``softmax_backward``,
+``log_softmax_backward``, ``rms_norm_backward``, ``layer_norm_backward``). Cross-entropy is in
+:mod:`cupylab.ops.cross_entropy`.
+
+Every function takes arrays of any leading shape from any framework (CuPy, torch, JAX, Numba,
+CUDA Array Interface, DLPack) zero-copy, runs on the caller's current stream (torch's for torch
+inputs, CuPy's otherwise) or ``stream=``, and returns arrays of the caller's framework.
+Kernel choice per row length: :mod:`cupylab.ops._rowcore`.
+"""
+from __future__ import annotations
+
+from . import _rowcore as rc
+
+__all__ = ["softmax", "log_softmax", "rms_norm", "layer_norm", "add_rms_norm",
+           "softmax_backward", "log_softmax_backward", "rms_norm_backward",
+           "layer_norm_backward"]
+
+_COMMON = """
+    Arrays may come from CuPy, torch, JAX, Numba or anything with ``__cuda_array_interface__``
+    / ``__dlpack__``; they are used without copying. Leading dimensions may be strided (they
+    must merge into at most two strided levels); rows are read once from memory when the last
+    axis is contiguous and the row fits the register kernels (up to 262,144 16-bit elements,
+    131,072 float32, 65,536 float64 on compute capability 9.0; 32,768 / 16,384 / 8,192
+    before), else by a slower generic kernel that reads each row two or three times.
+    Computation is in float32 for 16-bit and float32 data, float64 for float64.
+
+    Runs on the caller's current stream (torch's for torch arrays, CuPy's otherwise) or on
+    ``stream``; never blocks the host. New arrays are of the first argument's framework
+    (torch, CuPy, JAX, Numba; CuPy for other producers).
+
+    Raises
+    ------
+    TypeError
+        Host arrays, dtypes other than float16/bfloat16/float32/float64, mismatched dtypes,
+        torch tensors that require grad.
+    ValueError
+        Mismatched shapes, a bad ``out`` (shape, read-only, partial overlap with an input),
+        arrays on different GPUs, leading dimensions that cannot be merged.
+"""
+
+
+def _doc(f, text):
+    f.__doc__ = text + _COMMON
+    return f
+
+
+def _axis(opname, axis, nd):
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(f"{opname}: axis must be an int (got {axis!r})")
+    if nd == 0:
+        raise ValueError(f"{opname}: x must have at least one dimension (got a 0-d array)")
+    if not -nd <= axis < nd:
+        raise ValueError(f"{opname}: axis {axis} is out of range for {nd} dimensions")
+    return axis % nd
+
+
+def _softmax_like(opname, x, axis, out, stream):
+    c = rc.gather(opname, {"x": x, "out": out}, stream)
+    xv = c.views["x"]
+    rc.check_float(opname, "x", xv)
+    ax = _axis(opname, axis, xv.ndim)
+    if out is not None:
+        ov = c.views["out"]
+        rc.check_out(opname, "out", ov, xv.shape, xv.dtype)
+        rc.overlap(opname, ov, "out", [("x", xv)])
+        obj = out
+    else:
+        obj, ov = rc.new_array(c, xv.shape, xv.dtype)
+    lay = rc.row_layout(opname, xv.shape, [xv, None, ov, None], ax)
+    if lay.rows and lay.cols:
+        op = rc.OP[opname]
+        with rc._launch.ensure_device(c.device):
+            rc.launch_rows(c, op, xv.dtype, lay,
+                           lambda parts: rc.pack({"in0": xv.ptr, "out0": ov.ptr}, lay))
+    return obj if out is not None else rc.finish(c, obj)
+
+
+def softmax(x, axis=-1, out=None, *, stream=None):
+    return _softmax_like("softmax", x, axis, out, stream)
+
+
+def log_softmax(x, axis=-1, out=None, *, stream=None):
+    return _softmax_like("log_softmax", x, axis, out, stream)
+
+
+_doc(softmax, """``exp(x - max) / sum(exp(x - max))`` along ``axis``.
+
+    Parameters
+    ----------
+    x : GPU array, float16 / bfloat16 / float32 / float64
+    axis : int
+        The last axis is the fast path; any other axis is reduced through a strided view by the
+        generic kernel (correct, slower).
+    out : GPU array, optional
+        Of x's shape and dtype; may be ``x`` itself (in place).
+    stream : stream, optional
+
+    Returns
+    -------
+    array
+        Rows of ``-inf`` only give NaN (like torch); a NaN or ``+inf`` in a row makes the row
+        NaN.
+""")
+_doc(log_softmax, """``x - max - log(sum(exp(x - max)))`` along ``axis``.
+
+    Parameters
+    ----------
+    x : GPU array, float16 / bfloat16 / float32 / float64
+    axis : int
+        As for :func:`softmax`.
+    out : GPU array, optional
+        Of x's shape and dtype; may be ``x`` itself.
+    stream : stream, optional
+
+    Returns
+    -------
+    array
+""")
+
+
+def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, stream):
+    c = rc.gather(opname, {"x": x, "residual": residual, "weight": weight, "bias": bias,
+                           "out": out}, stream)
+    v = c.views
+    xv = v["x"]
+    rc.check_float(opname, "x", xv)
+    if xv.ndim == 0:
+        raise ValueError(f"{opname}: x must have at least one dimension (got a 0-d array)")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"{opname}: eps must be a non-negative number (got {eps!r})")
+    cols = xv.shape[-1]
+    flags = 0
+    for name in ("weight", "bias"):
+        if name in v:
+            flags |= rc.check_vector(opname, name, v[name], xv, cols)
+    if "weight" in v and "bias" in v and v["weight"].dtype is not v["bias"].dtype:
+        raise TypeError(f"{opname}: weight and bias must have one dtype (got "
+                        f"{v['weight'].dtype.name} and {v['bias'].dtype.name})")
+    rv = v.get("residual")
+    if rv is not None:
+        rc.check_same(opname, "residual", rv, xv)
+        if inplace and rv.readonly:
+            raise ValueError(f"{opname}: residual is read-only ({rv.kind}); inplace=True needs "
+                             "a writable residual")
+    if out is not None:
+        ov = v["out"]
+        rc.check_out(opname, "out", ov, xv.shape, xv.dtype)
+        ins = [("x", xv), ("weight", v.get("weight")), ("bias", v.get("bias"))]
+        if rv is not None:
+            ins.append(("residual", rv))
+        rc.overlap(opname, ov, "out", ins if rv is None or not inplace else ins[:3])
+        if rv is not None and inplace:
+            rc.overlap(opname, ov, "out", [("residual", rv)])
+            if ov.ptr == rv.ptr and ov.size:
+                raise ValueError(f"{opname}: out cannot be the residual when inplace=True")
+        yobj = out
+    else:
+        yobj, ov = rc.new_array(c, xv.shape, xv.dtype)
+    hobj = hv = None
+    if rv is not None:
+        if inplace:
+            hobj, hv = residual, rv
+        else:
+            hobj, hv = rc.new_array(c, xv.shape, xv.dtype)
+    lay = rc.row_layout(opname, xv.shape, [xv, rv, ov, hv], -1)
+    a = rc.acc_dtype(xv.dtype)
+    lead = lay.lead_shape
+    mean_obj = mv = rstd_obj = sv = None
+    if return_stats:
+        if opname == "layer_norm":
+            mean_obj, mv = rc.new_array(c, lead, a)
+        rstd_obj, sv = rc.new_array(c, lead, a)
+    if lay.rows and not lay.cols:
+        raise ValueError(f"{opname}: the last axis of x is empty (shape {xv.shape})")
+    if lay.rows:
+        ptrs = {"in0": xv.ptr, "in1": rv.ptr if rv is not None else 0, "out0": ov.ptr,
+                "out1": hv.ptr if hv is not None else 0,
+                "w": v["weight"].ptr if "weight" in v else 0,
+                "b": v["bias"].ptr if "bias" in v else 0,
+                "st0": mv.ptr if mv is not None else 0, "st1": sv.ptr if sv is not None else 0}
+        with rc._launch.ensure_device(c.device):
+            rc.launch_rows(c, rc.OP[opname], xv.dtype, lay,
+                           lambda parts: rc.pack(ptrs, lay, flags=flags, eps=eps))
+    y = yobj if out is not None else rc.finish(c, yobj)
+    res = [y]
+    if rv is not None:
+        res.append(hobj if inplace else rc.finish(c, hobj))
+    if return_stats:
+        if mean_obj is not None:
+            res.append(rc.finish(c, mean_obj))
+        res.append(rc.finish(c, rstd_obj))
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def rms_norm(x, weight=None, eps=1e-6, return_stats=False, out=None, *, stream=None):
+    return _norm("rms_norm", x, None, weight, None, eps, return_stats, False, out, stream)
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5, return_stats=False, out=None, *,
+               stream=None):
+    return _norm("layer_norm", x, None, weight, bias, eps, return_stats, False, out, stream)
+
+
+def add_rms_norm(x, residual, weight, eps=1e-6, inplace=False, out=None, *, stream=None):
+    return _norm("add_rms_norm", x, residual, weight, None, eps, False, inplace, out, stream)
+
+
+_doc(rms_norm, """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis.
+
+    Parameters
+    ----------
+    x : GPU array, float16 / bfloat16 / float32 / float64, shape ``(..., n)``
+    weight : GPU array, optional
+        Shape ``(n,)``, contiguous; x's dtype, or float32 with 16-bit x.
+    eps : float
+    return_stats : bool
+        Also return ``rstd`` (shape ``x.shape[:-1]``; float32, float64 for float64 x), what
+        :func:`rms_norm_backward` needs.
+    out : GPU array, optional
+        Of x's shape and dtype; may be ``x``.
+    stream : stream, optional
+
+    Returns
+    -------
+    y or (y, rstd)
+""")
+_doc(layer_norm, """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis
+    (biased variance, computed from the row held in registers: constant rows give exactly 0).
+
+    Parameters
+    ----------
+    x : GPU array, float16 / bfloat16 / float32 / float64, shape ``(..., n)``
+    weight, bias : GPU arrays, optional
+        Shape ``(n,)``, contiguous, one dtype: x's, or float32 with 16-bit x.
+    eps : float
+    return_stats : bool
+        Also return ``mean`` and ``rstd`` (shape ``x.shape[:-1]``, float32; float64 for
+        float64 x).
+    out : GPU array, optional
+    stream : stream, optional
+
+    Returns
+    -------
+    y or (y, mean, rstd)
+""")
+_doc(add_rms_norm, """``h = x + residual`` (rounded to x's dtype), ``y = rms_norm(h, weight,
+    eps)``, in one pass.
+
+    Parameters
+    ----------
+    x, residual : GPU arrays of one shape and dtype
+    weight : GPU array or None
+        Shape ``(n,)``; x's dtype, or float32 with 16-bit x.
+    eps : float
+    inplace : bool
+        Write ``h`` into ``residual`` (what inference engines do) instead of a new array.
+    out : GPU array, optional
+        For ``y``; may be ``x``.
+    stream : stream, optional
+
+    Returns
+    -------
+    (y, h)
+        ``h`` is ``residual`` itself when ``inplace=True``.
+""")
+
+
+# --------------------------------------------------------------------------------------------
+# backward
+def _softmax_bwd(opname, y, dy, out, stream):
+    c = rc.gather(opname, {"y": y, "dy": dy, "out": out}, stream)
+    yv, dv = c.views["y"], c.views["dy"]
+    rc.check_float(opname, "y", yv)
+    rc.check_same(opname, "dy", dv, yv, "y")
+    if yv.ndim == 0:
+        raise ValueError(f"{opname}: y must have at least one dimension (got a 0-d array)")
+    if out is not None:
+        ov = c.views["out"]
+        rc.check_out(opname, "out", ov, yv.shape, yv.dtype)
+        rc.overlap(opname, ov, "out", [("y", yv), ("dy", dv)])
+        obj = out
+    else:
+        obj, ov = rc.new_array(c, yv.shape, yv.dtype)
+    lay = rc.row_layout(opname, yv.shape, [yv, dv, ov, None], -1)
+    if lay.rows and lay.cols:
+        with rc._launch.ensure_device(c.device):
+            rc.launch_rows(c, rc.OP[opname], yv.dtype, lay, lambda parts: rc.pack(
+                {"in0": yv.ptr, "in1": dv.ptr, "out0": ov.ptr}, lay))
+    return obj if out is not None else rc.finish(c, obj)
+
+
+def softmax_backward(y, dy, out=None, *, stream=None):
+    return _softmax_bwd("softmax_backward", y, dy, out, stream)
+
+
+def log_softmax_backward(y, dy, out=None, *, stream=None):
+    return _softmax_bwd("log_softmax_backward", y, dy, out, stream)
+
+
+_doc(softmax_backward, """Gradient of :func:`softmax` over the last axis:
+    ``dx = y * (dy - sum(y * dy))``.
+
+    Parameters
+    ----------
+    y : GPU array
+        The softmax output.
+    dy : GPU array
+        Gradient of the loss with respect to ``y`` (same shape and dtype).
+    out : GPU array, optional
+        For ``dx``; may be ``y`` or ``dy``.
+    stream : stream, optional
+
+    Returns
+    -------
+    dx
+""")
+_doc(log_softmax_backward, """Gradient of :func:`log_softmax` over the last axis:
+    ``dx = dy - exp(y) * sum(dy)``.
+
+    Parameters
+    ----------
+    y : GPU array
+        The log_softmax output.
+    dy : GPU array
+    out : GPU array, optional
+        For ``dx``; may be ``y`` or ``dy``.
+    stream : stream, optional
+
+    Returns
+    -------
+    dx
+""")
+
+
+def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
+    c = rc.gather(opname, {"dy": dy, "x": x, "weight": weight, "mean": mean, "rstd": rstd},
+                  stream)
+    v = c.views
+    dv, xv = v["dy"], v["x"]
+    rc.check_float(opname, "x", xv)
+    rc.check_same(opname, "dy", dv, xv)
+    if xv.ndim == 0:
+        raise ValueError(f"{opname}: x must have at least one dimension (got a 0-d array)")
+    cols = xv.shape[-1]
+    flags = rc.check_vector(opname, "weight", v["weight"], xv, cols) if "weight" in v else 0
+    a = rc.acc_dtype(xv.dtype)
+    dxobj, dxv = rc.new_array(c, xv.shape, xv.dtype)
+    lay = rc.row_layout(opname, xv.shape, [xv, dv, dxv, None], -1)
+    for name in (("mean", "rstd") if opname == "layer_norm_backward" else ("rstd",)):
+        if name not in v:
+            raise TypeError(f"{opname}: {name} is required (the statistics the forward returned)")
+        rc.check_stats(opname, name, v[name], lay.rows, a)
+    if lay.rows and not lay.cols:
+        raise ValueError(f"{opname}: the last axis of x is empty (shape {xv.shape})")
+    wdt = v["weight"].dtype if "weight" in v else None
+    dw = dwv = db = dbv = None
+    if wdt is not None:
+        dw, dwv = rc.new_array(c, (cols,), wdt)
+        if opname == "layer_norm_backward":
+            db, dbv = rc.new_array(c, (cols,), wdt)
+    bufs = []
+
+    def parts_cb(n):
+        out = {}
+        if dwv is not None:
+            o, pv = rc.new_array(c, (n, cols), a)
+            bufs.append(o)
+            out["part0"] = pv.ptr
+        if dbv is not None:
+            o, pv = rc.new_array(c, (n, cols), a)
+            bufs.append(o)
+            out["part1"] = pv.ptr
+        return out
+
+    ptrs = {"in0": xv.ptr, "in1": dv.ptr, "out0": dxv.ptr,
+            "w": v["weight"].ptr if "weight" in v else 0,
+            "st0": v["mean"].ptr if "mean" in v else 0, "st1": v["rstd"].ptr}
+    with rc._launch.ensure_device(c.device):
+        nparts = 0
+        if lay.rows:
+            nparts, _ = rc.launch_rows(c, rc.OP[opname], xv.dtype, lay,
+                                       lambda parts: rc.pack({**ptrs, **parts}, lay, flags=flags),
+                                       parts_cb if wdt is not None else None)
+        for target, k in ((dwv, 0), (dbv, 1)):
+            if target is None:
+                continue
+            ks = rc.kernel("norm_bwd", xv.dtype, f"cl::col_sum<{a.ctype}, {wdt.ctype}>",
+                           ("Q", "q", "q", "Q", "q"))
+            pptr = rc._arrays.as_view(bufs[k], "part").ptr if nparts else 0
+            ks.launch(c.device, max(1, -(-cols // 256)), 256, c.stream,
+                      (pptr, nparts, cols, target.ptr, 1))
+    res = [rc.finish(c, dxobj), rc.finish(c, dw) if dw is not None else None]
+    if opname == "layer_norm_backward":
+        res.append(rc.finish(c, db) if db is not None else None)
+    return tuple(res)
+
+
+def rms_norm_backward(dy, x, weight, rstd, *, stream=None):
+    return _norm_bwd("rms_norm_backward", dy, x, weight, None, rstd, stream)
+
+
+def layer_norm_backward(dy, x, weight, mean, rstd, *, stream=None):
+    return _norm_bwd("layer_norm_backward", dy, x, weight, mean, rstd, stream)
+
+
+_doc(rms_norm_backward, """Gradients of :func:`rms_norm`: with ``xh = x * rstd`` and
+    ``g = dy * weight``, ``dx = rstd * (g - xh * mean(g * xh))`` and
+    ``dweight = sum over rows of dy * xh``. The weight gradient is reduced in two
+    deterministic stages (float32 partial sums per block, then a column-sum kernel; no
+    atomics): the same inputs give the same bits.
+
+    Parameters
+    ----------
+    dy, x : GPU arrays of one shape and dtype
+    weight : GPU array or None
+        As given to the forward.
+    rstd : GPU array
+        The statistics from ``rms_norm(..., return_stats=True)``.
+    stream : stream, optional
+
+    Returns
+    -------
+    (dx, dweight)
+        ``dweight`` in the weight's dtype, None without a weight.
+""")
+_doc(layer_norm_backward, """Gradients of :func:`layer_norm`: with ``xh = (x - mean) * rstd``
+    and ``g = dy * weight``, ``dx = rstd * (g - mean(g) - xh * mean(g * xh))``,
+    ``dweight = sum over rows of dy * xh`` and ``dbias = sum over rows of dy`` (two-stage,
+    deterministic, no atomics).
+
+    Parameters
+    ----------
+    dy, x : GPU arrays of one shape and dtype
+    weight : GPU array or None
+    mean, rstd : GPU arrays
+        The statistics from ``layer_norm(..., return_stats=True)``.
+    stream : stream, optional
+
+    Returns
+    -------
+    (dx, dweight, dbias)
+        ``dweight`` and ``dbias`` in the weight's dtype; both None without a weight.
+""")
+
+
+# -- registry entries (tests and cupylab-bench) -----------------------------------------------
+def _register():
+    from .._registry import OpSpec, register  # noqa: PLC0415
+
+    floats = ("float16", "bfloat16", "float32", "float64")
+
+    def peers(torch_fn):
+        return {
+            "torch": lambda torch, *a, out=None: (lambda: torch_fn(torch, *a)),
+            "torch.compile": lambda torch, *a, out=None: (
+                lambda f=torch.compile(lambda *b: torch_fn(torch, *b)): f(*a)),
+        }
+
+    def _rms(torch, x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, 1e-6)
+
+    def _ln(torch, x):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), None, None, 1e-5)
+
+    def _add_rms(torch, x, r):  # h = x + r is materialised, as an unfused model does
+        return torch.nn.functional.rms_norm(x + r, (x.shape[-1],), None, 1e-6)
+
+    def _sm_bwd(torch, y, dy):
+        return torch._softmax_backward_data(dy, y, -1, y.dtype)
+
+    def _lsm_bwd(torch, y, dy):
+        return torch._log_softmax_backward_data(dy, y, -1, y.dtype)
+
+    specs = [
+        ("softmax", softmax, 1, lambda i: 2 * i, 5, peers(lambda t, x: t.softmax(x, -1)),
+         "softmax over the last axis"),
+        ("log_softmax", log_softmax, 1, lambda i: 2 * i, 5,
+         peers(lambda t, x: t.log_softmax(x, -1)), "log_softmax over the last axis"),
+        ("rms_norm", lambda x, out=None: rms_norm(x, None, 1e-6, out=out), 1, lambda i: 2 * i,
+         4, peers(_rms), "rms_norm over the last axis (no weight)"),
+        ("layer_norm", lambda x, out=None: layer_norm(x, None, None, 1e-5, out=out), 1,
+         lambda i: 2 * i, 6, peers(_ln), "layer_norm over the last axis (no weight)"),
+        ("add_rms_norm", lambda x, r, out=None: add_rms_norm(x, r, None, 1e-6, out=out)[0], 2,
+         lambda i: 4 * i, 5, peers(_add_rms), "h = x + r; y = rms_norm(h); x, r read, y, h "
+         "written"),
+        ("softmax_backward", lambda y, dy, out=None: softmax_backward(y, dy, out=out), 2,
+         lambda i: 3 * i, 3, peers(_sm_bwd), "dx = y * (dy - sum(y * dy))"),
+        ("log_softmax_backward", lambda y, dy, out=None: log_softmax_backward(y, dy, out=out),
+         2, lambda i: 3 * i, 3, peers(_lsm_bwd), "dx = dy - exp(y) * sum(dy)"),
+    ]
+    for name, fn, nin, bpe, flops, pe, desc in specs:
+        spec = register(OpSpec(name, fn, nin, f"rows:{name}", floats, bytes_per_element=bpe,
+                               flops_per_element=flops, peers=pe, description=desc))
+        spec.rowwise = True  # the bench checks whole rows
+
+
+_register()

@@ -1,0 +1,148 @@
+"""Row-wise operators without a GPU: kernel choice per row length, row layouts, argument
+errors, the RowArgs layout, the float64 references, and NVRTC compilation of every template
+for sm_80 and sm_90."""
+import numpy as np
+import pytest
+
+import cupylab
+from cupylab import _compile, _dtypes
+from cupylab import reference as R
+from cupylab.ops import _rowcore as rc
+
+from conftest import FakeCAI
+
+BF16, F32, F64 = (_dtypes.from_name(n) for n in ("bfloat16", "float32", "float64"))
+
+
+def test_public_names_exported():
+    for n in ("softmax", "log_softmax", "layer_norm", "rms_norm", "add_rms_norm",
+              "cross_entropy", "softmax_backward", "log_softmax_backward",
+              "layer_norm_backward", "rms_norm_backward"):
+        assert n in cupylab.__all__ and callable(getattr(cupylab, n))
+        assert getattr(cupylab, n).__doc__ and "Raises" in getattr(cupylab, n).__doc__
+
+
+def test_args_struct_size():
+    assert rc.ARGS_SIZE == 32 * 8  # struct RowArgs in rowwise.cu: 32 fields of 8 bytes
+
+
+@pytest.mark.parametrize("cols,head,cc,expect", [
+    (1, 0, 90, (128, 4, 1, 1)), (32, 0, 90, (128, 4, 1, 1)), (33, 0, 90, (128, 32, 1, 1)),
+    (1000, 0, 90, (128, 32, 4, 1)), (1024, 0, 90, (128, 32, 4, 1)),
+    (1025, 0, 90, (128, 128, 4, 1)), (8192, 0, 90, (256, 256, 4, 1)),
+    (32768, 0, 90, (1024, 1024, 4, 1)), (65536, 0, 90, (1024, 1024, 4, 2)),
+    (131072, 0, 90, (1024, 1024, 4, 4)), (262144, 0, 90, (1024, 1024, 4, 8)),
+    (262144, 1, 90, None), (262144, None, 90, None), (65536, 0, 80, None),
+    (1024, None, 90, (128, 128, 4, 1)),  # rows with varying heads need room for V - 1 more
+])
+def test_choose_forward_bf16(cols, head, cc, expect):
+    assert rc.choose(0, BF16, cols, True, head, cc) == expect
+
+
+def test_choose_generic_cases():
+    assert rc.choose(0, BF16, 100, False, 0, 90) is None  # strided last axis
+    assert rc.choose(0, F32, 131072, True, 0, 90) == (1024, 1024, 4, 8)
+    assert rc.choose(0, F32, 131073, True, 0, 90) is None
+    assert rc.choose(0, F64, 65536, True, 0, 90) == (1024, 1024, 4, 8)
+    # backward: no clusters; weight-gradient ops need fixed heads
+    assert rc.choose(10, BF16, 16384, True, 0, 90) == (1024, 1024, 2, 1)
+    assert rc.choose(10, BF16, 16385, True, 0, 90) is None
+    assert rc.choose(12, BF16, 1000, True, None, 90) is None
+    assert rc.choose(12, BF16, 1000, True, 3, 90) == (128, 128, 2, 1)
+
+
+def test_grid_for():
+    assert rc.grid_for(0, (128, 4, 1, 1), 199, 132) == (7, 0)  # 32 rows per block
+    assert rc.grid_for(0, (1024, 1024, 4, 8), 3, 132) == (24, 0)  # one cluster per row
+    assert rc.grid_for(0, None, 5, 132) == (5, 0)
+    g, parts = rc.grid_for(13, (128, 32, 2, 1), 100000, 132)
+    assert g == 132 * 8 and parts == g * 4
+    assert rc.grid_for(13, None, 3, 132) == (3, 3)
+
+
+def test_pipe_plan(monkeypatch):
+    assert rc.pipe_plan(0, (256, 256, 4, 1), 8192, 132, 232448) == (528, 49152)
+    assert rc.pipe_plan(1, (128, 32, 4, 1), 32768, 132, 232448) == (1056, 24576)
+    assert rc.pipe_plan(3, (1024, 1024, 4, 1), 100, 132, 232448) == (100, 196608)
+    assert rc.pipe_plan(4, (256, 256, 4, 1), 8192, 132, 232448) is None  # two inputs
+    assert rc.pipe_plan(0, (1024, 1024, 4, 4), 8192, 132, 232448) == (128, 196608)  # 32 clusters
+    assert rc.pipe_plan(5, (1024, 1024, 4, 8), 3, 132, 232448) == (24, 196608)
+    assert rc.pipe_plan(0, (1024, 1024, 4, 1), 8, 132, 101376) is None  # too little smem
+    monkeypatch.setenv("CUPYLAB_ROWWISE_PIPELINE", "0")
+    assert rc.pipe_plan(0, (256, 256, 4, 1), 8192, 132, 232448) is None
+
+
+class _V:
+    def __init__(self, ptr, shape, strides, dt=BF16):
+        self.ptr, self.shape, self.strides, self.dtype = ptr, shape, strides, dt
+
+
+def test_row_layout():
+    x = _V(0x1000, (4, 6, 300), (3000, 300, 1))
+    lay = rc.row_layout("t", x.shape, [x, None, _V(0x2000, x.shape, (1800, 300, 1)), None], -1)
+    assert (lay.rows, lay.cols, lay.n1) == (24, 300, 6) and lay.vec_ok
+    assert lay.si[0] == 300 and lay.so[0] == 3000 and lay.head is None  # 600-byte rows
+    v = _V(0x1000 + 600, (4, 4, 256), (3000 * 2, 256, 1))
+    lay = rc.row_layout("t", v.shape, [v, None, _V(0x3000, v.shape, (1024, 256, 1)), None], -1)
+    assert lay.n1 == 4 and lay.so[0] == 6000 and lay.si[0] == 256 and lay.so[2] == 1024
+    assert not lay.vec_ok  # 0x1258 and 0x3000 differ modulo 16
+    t = _V(0x1000, (5, 6, 7), (42, 7, 1), F32)
+    lay = rc.row_layout("t", t.shape, [t, None, t, None], 0)
+    assert (lay.rows, lay.cols, lay.cs[0]) == (42, 5, 42) and not lay.vec_ok
+    w = _V(0x1000, (2, 3, 4, 5), (200, 60, 10, 1), F32)  # three unmergeable leading levels
+    with pytest.raises(ValueError, match="leading dimensions"):
+        rc.row_layout("t", w.shape, [w, None, _V(0x0, w.shape, (60, 20, 5, 1), F32), None], -1)
+
+
+def test_layout_cache_keys_on_alignment_and_strides():
+    x = _V(0x1000, (8, 64), (64, 1))
+    o = _V(0x2000, (8, 64), (64, 1))
+    a = rc.row_layout("t", x.shape, [x, None, o, None], -1)
+    assert rc.row_layout("t", x.shape, [_V(0x3000, (8, 64), (64, 1)), None, o, None], -1) is a
+    b = rc.row_layout("t", x.shape, [_V(0x3002, (8, 64), (64, 1)), None, o, None], -1)
+    assert b is not a and not b.vec_ok  # another offset modulo 16: not the same plan
+    c = rc.row_layout("t", x.shape, [_V(0x1000, (8, 64), (128, 1)), None, o, None], -1)
+    assert c is not a and c.si[0] == 128
+
+
+def test_name_expressions_cover_ladders():
+    names = rc.name_expressions("norm_bwd", BF16)
+    assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
+    assert "cl::row_generic<cl::bf16_t, 13>" in names
+    assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 602
+
+
+def test_errors_need_no_gpu():
+    x = FakeCAI((4, 8), typestr="<i4")
+    with pytest.raises(TypeError, match="softmax: x must be a CUDA device array"):
+        cupylab.softmax(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="cross_entropy: reduction"):
+        cupylab.cross_entropy(x, x, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        cupylab.cross_entropy(x, x, label_smoothing=2.0)
+
+
+def test_references():
+    x = np.array([[1.0, 2.0, 3.0], [-np.inf, -np.inf, -np.inf]])
+    s = R.ROWWISE_REFERENCES["softmax"](x)
+    np.testing.assert_allclose(s[0], np.exp([1, 2, 3]) / np.exp([1, 2, 3]).sum())
+    assert np.isnan(s[1]).all()
+    loss, lse, g = R.ROWWISE_REFERENCES["cross_entropy"](x[:1], np.array([2]))
+    np.testing.assert_allclose(loss[0], lse[0] - 3.0)
+    np.testing.assert_allclose(g[0], s[0] - [0, 0, 1])
+    y, m, r = R.ROWWISE_REFERENCES["layer_norm"](np.full((2, 4), 3.0))
+    assert np.all(y == 0) and np.all(m == 3.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cc", [80, 90])
+def test_every_rowwise_instance_compiles(cc, monkeypatch):
+    monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
+    n = 0
+    for prog in rc.all_programs():
+        binary, mapping, kind, _ = _compile.compile_program(prog, cc)
+        assert kind == "cubin" and binary[:4] == b"\x7fELF"
+        assert set(mapping) == set(prog.name_expressions)
+        n += len(mapping)
+    assert n == 602

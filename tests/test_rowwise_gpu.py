@@ -1,0 +1,377 @@
+"""Row-wise operators on the GPU against float64 references (cupylab.reference): every dtype,
+row lengths across every kernel class (sub-warp, warp, block, cluster, generic), 0/1/199 rows,
+contiguous / strided-row / offset / transposed views, CuPy and torch, poisoned outputs,
+special values, backward against the analytic references, finite differences and torch
+autograd."""
+import numpy as np
+import pytest
+
+import cupylab
+from cupylab import reference as R
+
+from gpu_util import FLOATS, cupy_from_host, from_host, host_data, np_dtype, to_host
+
+pytestmark = pytest.mark.gpu
+
+TOL = {"float16": (4e-3, 4e-3), "bfloat16": (2e-2, 2e-2), "float32": (2e-5, 2e-5),
+       "float64": (1e-11, 1e-11)}
+
+# (rows, cols): every class of the ladder, the generic fallback, empty
+SHAPES = [(0, 33), (1, 1), (199, 1), (199, 3), (199, 31), (199, 32), (199, 33), (199, 127),
+          (199, 1000), (60, 4097), (5, 65537), (2, 262144)]
+SHAPES_BIG = [(1, 300000)]  # beyond every register class: the generic kernel
+
+
+def _tol(dt, scale=1.0):
+    r, a = TOL[dt]
+    return r * scale, a * scale
+
+
+def check(got, ref, dt, scale=1.0, what=""):
+    got = to_host(got).astype(np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    r, a = _tol(dt, scale)
+    np.testing.assert_allclose(got, ref, rtol=r, atol=a, equal_nan=True, err_msg=what)
+
+
+def make(rng, fw, rows, cols, dt, layout="contig", scale=4.0):
+    """Host data (rounded to dt) and a device view with the requested layout."""
+    h = (rng.standard_normal((rows, cols)) * scale).astype(np_dtype(dt))
+    if layout == "contig":
+        return h, from_host(fw, h)
+    if layout == "strided":  # rows further apart than their length
+        big = np.zeros((rows, cols + 5), dtype=h.dtype)
+        big[:, 2:cols + 2] = h
+        return h, from_host(fw, big)[:, 2:cols + 2]
+    if layout == "offset":  # start one element in: rows start at odd addresses
+        big = np.zeros((rows + 1, cols + 1), dtype=h.dtype)
+        big[1:, 1:] = h
+        return h, from_host(fw, big)[1:, 1:]
+    if layout == "transposed":  # columns contiguous, rows strided: the generic kernel
+        dev = from_host(fw, np.ascontiguousarray(h.T))
+        return h, dev.T
+    raise ValueError(layout)
+
+
+def _fw(name):
+    if name == "torch":
+        pytest.importorskip("torch")
+    return name
+
+
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_softmax_forward(op, rows, cols, dt):
+    rng = np.random.default_rng(rows * 7919 + cols)
+    h, x = make(rng, "cupy", rows, cols, dt)
+    out = cupy_from_host(np.full((rows, cols), np.nan).astype(np_dtype(dt)))
+    got = getattr(cupylab, op)(x, out=out)
+    assert got is out
+    check(got, R.ROWWISE_REFERENCES[op](h), dt, what=op)
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+@pytest.mark.parametrize("layout", ["strided", "offset", "transposed"])
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("rows,cols", [(37, 5), (33, 1000), (9, 4097), (3, 40000)])
+def test_layouts_and_frameworks(fw, layout, dt, rows, cols):
+    fw = _fw(fw)
+    rng = np.random.default_rng(cols)
+    h, x = make(rng, fw, rows, cols, dt, layout)
+    y = cupylab.softmax(x)
+    assert type(y).__module__.split(".")[0] == fw
+    check(y, R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")
+    w = host_data(rng, (cols,), dt)
+    yn, rstd = cupylab.rms_norm(x, from_host(fw, w), eps=1e-6, return_stats=True)
+    ref, rref = R.ROWWISE_REFERENCES["rms_norm"](h, w, 1e-6)
+    check(yn, ref, dt, 2, "rms_norm")
+    check(rstd, rref, "float32" if dt != "float64" else dt, 1, "rstd")
+    b = host_data(rng, (cols,), dt)
+    yl, mean, rs = cupylab.layer_norm(x, from_host(fw, w), from_host(fw, b), return_stats=True)
+    ref, mref, rref = R.ROWWISE_REFERENCES["layer_norm"](h, w, b, 1e-5)
+    check(yl, ref, dt, 2, "layer_norm")
+    check(mean, mref, "float32" if dt != "float64" else dt, 10, "mean")
+
+
+def test_softmax_other_axis():
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((5, 6, 7)).astype(np.float32)
+    x = cupy_from_host(h)
+    for ax in (0, 1, -2):
+        hm = np.moveaxis(h, ax, -1)
+        ref = np.moveaxis(R.ROWWISE_REFERENCES["softmax"](hm), -1, ax)
+        check(cupylab.softmax(x, axis=ax), ref, "float32", what=f"axis {ax}")
+        ref = np.moveaxis(R.ROWWISE_REFERENCES["log_softmax"](hm), -1, ax)
+        check(cupylab.log_softmax(x, axis=ax), ref, "float32", what=f"axis {ax}")
+
+
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("rows,cols", SHAPES + SHAPES_BIG)
+@pytest.mark.parametrize("wdt", ["same", "float32", None])
+def test_norms_forward(rows, cols, dt, wdt):
+    if wdt == "float32" and dt in ("float32", "float64"):
+        pytest.skip("float32 weights are the mixed-precision form of 16-bit inputs")
+    rng = np.random.default_rng(rows + 31 * cols)
+    h, x = make(rng, "cupy", rows, cols, dt)
+    w = b = None
+    if wdt is not None:
+        wd = dt if wdt == "same" else wdt
+        w = (rng.standard_normal(cols) + 1).astype(np_dtype(wd))
+        b = rng.standard_normal(cols).astype(np_dtype(wd))
+    dev = (lambda a: cupy_from_host(a) if a is not None else None)
+    sdt = "float64" if dt == "float64" else "float32"
+    y, rstd = cupylab.rms_norm(x, dev(w), eps=1e-6, return_stats=True)
+    ref, rref = R.ROWWISE_REFERENCES["rms_norm"](h, w, 1e-6)
+    check(y, ref, dt, 2, "rms_norm")
+    check(rstd, rref, sdt, 2, "rms rstd")
+    y, mean, rstd = cupylab.layer_norm(x, dev(w), dev(b), eps=1e-5, return_stats=True)
+    ref, mref, rref = R.ROWWISE_REFERENCES["layer_norm"](h, w, b, 1e-5)
+    check(y, ref, dt, 2, "layer_norm")
+    check(mean, mref, sdt, 10, "ln mean")
+    check(rstd, rref, sdt, 10, "ln rstd")
+    # add + rms_norm, out of place and in place
+    rh = (rng.standard_normal((rows, cols)) * 4).astype(np_dtype(dt))
+    hsum = (h.astype(np.float64) + rh.astype(np.float64)).astype(np_dtype(dt))
+    if w is None:
+        w = np.ones(cols, dtype=np_dtype(dt))
+    r = cupy_from_host(rh)
+    y, hh = cupylab.add_rms_norm(x, r, dev(w), eps=1e-6)
+    check(hh, hsum, dt, 0.01, "add h")
+    check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, "add y")
+    y2, h2 = cupylab.add_rms_norm(x, r, dev(w), eps=1e-6, inplace=True)
+    assert h2 is r
+    check(r, hsum, dt, 0.01, "inplace h")
+    check(y2, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, "inplace y")
+
+
+def test_softmax_special_values():
+    for dt, big in (("float32", 3e38), ("float16", 6e4), ("bfloat16", 3e38), ("float64", 1e300)):
+        h = np.array([[0.0, -np.inf, 1.0, -np.inf],
+                      [-np.inf] * 4,
+                      [big, -big, big / 2, 0.0],
+                      [-big, -big, -big, -big]]).astype(np_dtype(dt))
+        x = cupy_from_host(h)
+        ref = R.ROWWISE_REFERENCES["softmax"](h)
+        got = to_host(cupylab.softmax(x)).astype(np.float64)
+        assert np.all(np.isnan(got[1])), "all -inf rows give NaN (like torch)"
+        np.testing.assert_allclose(got[[0, 2, 3]], ref[[0, 2, 3]], rtol=1e-2, atol=1e-3)
+        got = to_host(cupylab.log_softmax(x)).astype(np.float64)
+        assert np.all(np.isnan(got[1]))
+        assert got[0, 1] == -np.inf and np.isfinite(got[0, 0])
+
+
+def test_layer_norm_constant_rows():
+    for dt in FLOATS:
+        h = np.full((5, 1000), 3.25).astype(np_dtype(dt))
+        b = np.arange(1000).astype(np_dtype(dt))
+        y = to_host(cupylab.layer_norm(cupy_from_host(h), None, cupy_from_host(b)))
+        np.testing.assert_array_equal(y.astype(np.float64), np.broadcast_to(
+            b.astype(np.float64), (5, 1000)))
+
+
+def test_leading_shapes_and_torch_stream():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    h = rng.standard_normal((4, 6, 300)).astype(np.float32)
+    t = torch.from_numpy(h).cuda()
+    v = t[:, 1:5]  # two strided leading levels
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = cupylab.softmax(v)
+        yr, st = cupylab.rms_norm(v, return_stats=True)
+    s.synchronize()
+    assert isinstance(y, torch.Tensor) and y.shape == (4, 4, 300) and st.shape == (4, 4)
+    check(y, R.ROWWISE_REFERENCES["softmax"](h[:, 1:5]), "float32")
+    check(yr, R.ROWWISE_REFERENCES["rms_norm"](h[:, 1:5])[0], "float32")
+    check(torch.softmax(v, -1), to_host(y).astype(np.float64), "float32", what="vs torch")
+
+
+# ---- backward ----------------------------------------------------------------------------
+BWD_SHAPES = [(0, 8), (1, 1), (199, 3), (199, 33), (199, 1000), (30, 4097), (3, 20000),
+              (2, 70001)]
+
+
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("rows,cols", BWD_SHAPES)
+def test_backward_analytic(rows, cols, dt):
+    rng = np.random.default_rng(rows * 3 + cols)
+    h, x = make(rng, "cupy", rows, cols, dt)
+    dyh, dy = make(rng, "cupy", rows, cols, dt, scale=1.0)
+    # softmax / log_softmax backward from their own forward outputs
+    y = cupylab.softmax(x)
+    yh = to_host(y)
+    check(cupylab.softmax_backward(y, dy),
+          R.ROWWISE_REFERENCES["softmax_backward"](yh, dyh), dt, 2, "softmax bwd")
+    ly = cupylab.log_softmax(x)
+    lyh = to_host(ly)
+    check(cupylab.log_softmax_backward(ly, dy),
+          R.ROWWISE_REFERENCES["log_softmax_backward"](lyh, dyh), dt, 4, "log_softmax bwd")
+    for wdt in ([dt, "float32"] if dt in ("float16", "bfloat16") else [dt]):
+        w = (rng.standard_normal(cols) + 1).astype(np_dtype(wdt))
+        wd = cupy_from_host(w)
+        _, mean, rstd = cupylab.layer_norm(x, wd, None, return_stats=True)
+        dx, dw, db = cupylab.layer_norm_backward(dy, x, wd, mean, rstd)
+        rdx, rdw, rdb = R.ROWWISE_REFERENCES["layer_norm_backward"](
+            dyh, h, w, to_host(mean), to_host(rstd))
+        check(dx, rdx, dt, 4, "ln dx")
+        sc = 1.0 + rows ** 0.5 / 10  # dweight sums rows: its rounding grows with them
+        check(dw, rdw, wdt, 2 * sc, "ln dw")
+        check(db, rdb, wdt, 2 * sc, "ln db")
+        assert to_host(dw).dtype == np_dtype(wdt)
+        _, rstd = cupylab.rms_norm(x, wd, return_stats=True)
+        dx, dw = cupylab.rms_norm_backward(dy, x, wd, rstd)
+        rdx, rdw = R.ROWWISE_REFERENCES["rms_norm_backward"](dyh, h, w, to_host(rstd))
+        check(dx, rdx, dt, 4, "rms dx")
+        check(dw, rdw, wdt, 2 * sc, "rms dw")
+
+
+def test_backward_deterministic_and_no_weight():
+    rng = np.random.default_rng(11)
+    h, x = make(rng, "cupy", 3000, 768, "bfloat16")
+    _, dy = make(rng, "cupy", 3000, 768, "bfloat16")
+    w = cupy_from_host(rng.standard_normal(768).astype(np.float32))
+    _, mean, rstd = cupylab.layer_norm(x, w, None, return_stats=True)
+    a = cupylab.layer_norm_backward(dy, x, w, mean, rstd)
+    b = cupylab.layer_norm_backward(dy, x, w, mean, rstd)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(to_host(u), to_host(v))
+    dx, dw, db = cupylab.layer_norm_backward(dy, x, None, mean, rstd)
+    assert dw is None and db is None and dx.shape == (3000, 768)
+
+
+def _fd(f, x, dy, eps=1e-6):
+    """d/dx of sum(f(x) * dy) by central differences (float64 host arrays)."""
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[i] += eps
+        xm[i] -= eps
+        g[i] = np.sum((f(xp) - f(xm)) * dy) / (2 * eps)
+    return g
+
+
+def test_backward_finite_differences_float64():
+    rng = np.random.default_rng(2)
+    h = rng.standard_normal((3, 7))
+    dyh = rng.standard_normal((3, 7))
+    w = rng.standard_normal(7) + 1
+    dev = cupy_from_host
+    fwd = {
+        "softmax": lambda a: to_host(cupylab.softmax(dev(a))),
+        "log_softmax": lambda a: to_host(cupylab.log_softmax(dev(a))),
+        "layer_norm": lambda a: to_host(cupylab.layer_norm(dev(a), dev(w))),
+        "rms_norm": lambda a: to_host(cupylab.rms_norm(dev(a), dev(w))),
+    }
+    y = cupylab.softmax(dev(h))
+    np.testing.assert_allclose(to_host(cupylab.softmax_backward(y, dev(dyh))),
+                               _fd(fwd["softmax"], h, dyh), rtol=1e-6, atol=1e-8)
+    ly = cupylab.log_softmax(dev(h))
+    np.testing.assert_allclose(to_host(cupylab.log_softmax_backward(ly, dev(dyh))),
+                               _fd(fwd["log_softmax"], h, dyh), rtol=1e-6, atol=1e-8)
+    _, m, r = cupylab.layer_norm(dev(h), dev(w), return_stats=True)
+    dx, dw, db = cupylab.layer_norm_backward(dev(dyh), dev(h), dev(w), m, r)
+    np.testing.assert_allclose(to_host(dx), _fd(fwd["layer_norm"], h, dyh), rtol=1e-6, atol=1e-8)
+    fw_w = _fd(lambda ww: to_host(cupylab.layer_norm(dev(h), dev(ww))), w, dyh)
+    np.testing.assert_allclose(to_host(dw), fw_w, rtol=1e-6, atol=1e-8)
+    _, r = cupylab.rms_norm(dev(h), dev(w), return_stats=True)
+    dx, dw = cupylab.rms_norm_backward(dev(dyh), dev(h), dev(w), r)
+    np.testing.assert_allclose(to_host(dx), _fd(fwd["rms_norm"], h, dyh), rtol=1e-6, atol=1e-8)
+
+
+def test_backward_vs_torch_autograd():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    x = torch.tensor(rng.standard_normal((64, 1000)), dtype=torch.float32, device="cuda")
+    dy = torch.tensor(rng.standard_normal((64, 1000)), dtype=torch.float32, device="cuda")
+    w = torch.tensor(rng.standard_normal(1000) + 1, dtype=torch.float32, device="cuda")
+    b = torch.zeros(1000, device="cuda")
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    torch.nn.functional.layer_norm(xr, (1000,), wr, br, 1e-5).backward(dy)
+    _, m, r = cupylab.layer_norm(x, w, b, return_stats=True)
+    dx, dw, db = cupylab.layer_norm_backward(dy, x, w, m, r)
+    for got, ref in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    xr = x.clone().requires_grad_()
+    torch.softmax(xr, -1).backward(dy)
+    torch.testing.assert_close(cupylab.softmax_backward(cupylab.softmax(x), dy), xr.grad,
+                               rtol=1e-4, atol=1e-5)
+
+
+# ---- cross-entropy -----------------------------------------------------------------------
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("rows,cols", [(0, 10), (1, 1), (199, 3), (199, 33), (64, 1000),
+                                       (9, 4097), (3, 65537), (2, 128256), (1, 300000)])
+@pytest.mark.parametrize("smooth", [0.0, 0.1])
+def test_cross_entropy(rows, cols, dt, smooth):
+    rng = np.random.default_rng(rows + cols)
+    h, x = make(rng, "cupy", rows, cols, dt, scale=2.0)
+    t = rng.integers(0, cols, size=rows).astype(np.int64)
+    if rows > 3:
+        t[::4] = -100
+    td = cupy_from_host(t)
+    loss, lse, g = R.ROWWISE_REFERENCES["cross_entropy"](h, t, -100, smooth)
+    n = max(1, int(np.sum(t != -100)))
+    sdt = "float64" if dt == "float64" else "float32"
+    for red in ("mean", "sum", "none"):
+        out = cupylab.cross_entropy(x, td, label_smoothing=smooth, reduction=red,
+                                    return_grad=True, return_lse=True)
+        lo, gr, ls = out
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ref_loss = {"none": loss, "sum": loss.sum(),
+                        "mean": loss.sum() / np.sum(t != -100)}[red]
+        scale = 1.0 / n if red == "mean" else 1.0
+        check(lo, ref_loss, sdt, 10, f"loss {red}")
+        check(ls, lse, sdt, 10, "lse")
+        check(gr, g * scale, dt, 1, f"grad {red}")
+    # in place: the gradient replaces the logits
+    lo2, g2 = cupylab.cross_entropy(x, td, label_smoothing=smooth, grad_out=x)
+    assert g2 is x
+    check(x, g / n, dt, 1, "in-place grad")
+
+
+def test_cross_entropy_bad_targets_and_int32():
+    h = np.random.default_rng(0).standard_normal((4, 50)).astype(np.float32)
+    t = np.array([3, 50, -1, -100], dtype=np.int32)
+    loss, grad = cupylab.cross_entropy(cupy_from_host(h), cupy_from_host(t), reduction="none",
+                                       return_grad=True)
+    lo = to_host(loss)
+    assert np.isfinite(lo[0]) and np.isnan(lo[1]) and np.isnan(lo[2]) and lo[3] == 0
+    gh = to_host(grad)
+    assert np.all(np.isnan(gh[1])) and np.all(gh[3] == 0)
+    assert np.isnan(float(to_host(cupylab.cross_entropy(cupy_from_host(h), cupy_from_host(t)))))
+
+
+def test_cross_entropy_vs_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    x = torch.tensor(rng.standard_normal((128, 5000)), dtype=torch.float32, device="cuda")
+    t = torch.tensor(rng.integers(0, 5000, 128), device="cuda")
+    t[::5] = -100
+    xr = x.clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(xr, t, label_smoothing=0.1)
+    ref.backward()
+    loss, g = cupylab.cross_entropy(x, t, label_smoothing=0.1, return_grad=True)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g, xr.grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("layout", ["contig", "offset"])
+@pytest.mark.parametrize("rows,cols", [(20000, 33), (3000, 1000), (1500, 8192), (70001, 5)])
+def test_many_rows_per_block(rows, cols, dt, layout):
+    """Persistent grids: each block (or cluster) walks several rows through the cp.async
+    pipeline; offset views give rows whose heads differ (partial 16-byte words)."""
+    rng = np.random.default_rng(rows)
+    h, x = make(rng, "cupy", rows, cols, dt, layout)
+    check(cupylab.softmax(x), R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")
+    check(cupylab.log_softmax(x), R.ROWWISE_REFERENCES["log_softmax"](h), dt, what="log_softmax")
+    y, mean, rstd = cupylab.layer_norm(x, return_stats=True)
+    check(y, R.ROWWISE_REFERENCES["layer_norm"](h)[0], dt, 2, "layer_norm")
+    check(cupylab.rms_norm(x), R.ROWWISE_REFERENCES["rms_norm"](h)[0], dt, 2, "rms_norm")
+    t = rng.integers(0, cols, size=rows)
+    loss, lse, g = R.ROWWISE_REFERENCES["cross_entropy"](h, t)
+    lo, gr = cupylab.cross_entropy(x, cupy_from_host(t), reduction="none", return_grad=True)
+    check(lo, loss, "float32", 10, "ce loss")
+    check(gr, g, dt, 1, "ce grad")
