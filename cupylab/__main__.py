@@ -7,9 +7,10 @@ nodes that share it then load instead of compiling)::
     python -m cupylab precompile --arch sm_90
     python -m cupylab precompile --arch sm_80 --ops add,divide --dtypes float32,float16,int64
 
-It compiles, for each operator, every pair of the given dtypes (contiguous, element-wise and
-strided variants; row and scalar variants too), as :func:`cupylab.ops.elementwise.instances`
-lists them, in parallel processes.
+It compiles, for each elementwise operator, every pair of the given dtypes (contiguous,
+element-wise and strided variants; row and scalar variants too), as
+:func:`cupylab.ops.elementwise.instances` lists them, and every program of the row-wise and
+multi-tensor families (``--families`` picks), in parallel processes.
 """
 from __future__ import annotations
 
@@ -32,6 +33,38 @@ def _compile_one(args):
     return _compile.stats["compiled"] - before
 
 
+def _call(item):
+    fn, args = item
+    return fn(args)
+
+
+def _compile_program(args):
+    from cupylab import _compile  # noqa: PLC0415
+
+    family, i, cc = args
+    p = _FAMILIES[family]()[i]
+    before = _compile.stats["compiled"]
+    _compile.compile_program(p, cc)
+    return _compile.stats["compiled"] - before
+
+
+def _rowwise_programs():
+    from cupylab.ops import _rowcore  # noqa: PLC0415
+
+    return _rowcore.all_programs()
+
+
+def _multi_tensor_programs():
+    from cupylab.ops import _mt_plan  # noqa: PLC0415
+
+    return _mt_plan.all_programs()
+
+
+#: Families whose programs are compiled whole (a few programs each), beside the elementwise
+#: instances chosen by --ops/--dtypes.
+_FAMILIES = {"rowwise": _rowwise_programs, "multi_tensor": _multi_tensor_programs}
+
+
 def _arch(text):
     t = text.lower().removeprefix("sm_").removeprefix("compute_")
     if not t.isdigit():
@@ -48,8 +81,8 @@ def precompile(argv):
     from cupylab.ops import elementwise as ew  # noqa: PLC0415
 
     p = argparse.ArgumentParser(prog="python -m cupylab precompile",
-                                description="Compile elementwise kernel instances into the "
-                                            "cache directory (no GPU needed).")
+                                description="Compile kernel instances into the cache "
+                                            "directory (no GPU needed).")
     p.add_argument("--arch", type=_arch, required=True, help="target, e.g. sm_90 or sm_80")
     p.add_argument("--ops", type=_list, default=[o for o in ew.PUBLIC_OPS if o != "true_divide"],
                    help=f"comma-separated operators (default: all of {', '.join(ew.PUBLIC_OPS)})")
@@ -59,6 +92,10 @@ def precompile(argv):
                    help="promotion rules to compile for: numpy, torch, jax (default: numpy)")
     p.add_argument("--no-scalars", action="store_true",
                    help="skip the variants with a Python scalar operand")
+    p.add_argument("--families", type=_list, default=["elementwise", *_FAMILIES],
+                   help="comma-separated families to compile: elementwise (the instances "
+                        "chosen by --ops/--dtypes/--rules), rowwise, multi_tensor "
+                        "(default: all)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="parallel compiler processes (default: the CPU count)")
     a = p.parse_args(argv)
@@ -74,14 +111,24 @@ def precompile(argv):
             p.error(f"--rules: unknown rule {r!r}; known: numpy, torch, jax")
         if r != "numpy":
             __import__("torch" if r == "torch" else "jax")
-    todo = [((v, op, tuple(t.name for t in types), tuple(extra)), a.arch)
-            for v, op, types, extra in ew.instances(a.ops, dtypes, a.rules, not a.no_scalars)]
+    for f in a.families:
+        if f != "elementwise" and f not in _FAMILIES:
+            p.error(f"--families: unknown family {f!r}; known: elementwise, "
+                    f"{', '.join(_FAMILIES)}")
+    todo = []
+    if "elementwise" in a.families:
+        todo = [(_compile_one, ((v, op, tuple(t.name for t in types), tuple(extra)), a.arch))
+                for v, op, types, extra in ew.instances(a.ops, dtypes, a.rules,
+                                                         not a.no_scalars)]
+    for f in a.families:
+        if f in _FAMILIES:
+            todo += [(_compile_program, (f, i, a.arch)) for i in range(len(_FAMILIES[f]()))]
     t0 = time.perf_counter()
     if a.jobs > 1 and len(todo) > 1:
         with ProcessPoolExecutor(a.jobs) as ex:
-            compiled = sum(ex.map(_compile_one, todo, chunksize=8))
+            compiled = sum(ex.map(_call, todo, chunksize=4))
     else:
-        compiled = sum(_compile_one(x) for x in todo)
+        compiled = sum(_call(x) for x in todo)
     dt = time.perf_counter() - t0
     print(f"cupylab precompile: {len(todo)} kernel instances for sm_{a.arch}: {compiled} "
           f"compiled, {len(todo) - compiled} already cached, {dt:.1f} s, into {_compile.cache_dir()}")

@@ -378,7 +378,8 @@ def test_precompile_cli_fills_the_cache_without_a_gpu(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(repo), "CUPYLAB_CACHE_DIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "cupylab", "precompile", "--arch", "sm_90", "--ops", "add",
-           "--dtypes", "float32,float16", "--no-scalars", "--jobs", "2"]
+           "--dtypes", "float32,float16", "--no-scalars", "--families", "elementwise",
+           "--jobs", "2"]
     want = len(ew.instances(["add"], ["float32", "float16"], scalars=False))
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     assert f"{want} kernel instances for sm_90: {want} compiled, 0 already cached" in first
@@ -387,6 +388,8 @@ def test_precompile_cli_fills_the_cache_without_a_gpu(tmp_path):
     assert f"0 compiled, {want} already cached" in again
     bad = subprocess.run(cmd[:6] + ["--ops", "power"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "unknown operator 'power'" in bad.stderr
+    bad = subprocess.run(cmd[:6] + ["--families", "fft"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "unknown family 'fft'" in bad.stderr
 
 
 class FakeDeviceMemory:
