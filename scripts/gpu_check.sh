@@ -1,70 +1,118 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for a GPU machine with no network, from a plain checkout:
-#   1. the full test suite (CPU and GPU tests),
-#   2. compute-sanitizer memcheck over the GPU kernel tests, racecheck over a subset,
-#   3. the short benchmark (cupylab-bench: vector_add and fused_add_mul at 2^26, fp32 and bf16,
-#      beside torch) and the host-overhead table,
-# then a summary. Usage: scripts/gpu_check.sh [OUTDIR]   (logs go to OUTDIR, default ./out)
-# STEPS (default "tests sanitizer bench") picks steps; PYTEST_ARGS adds pytest arguments.
+#   precompile  every kernel family for this GPU into the cache, in parallel processes
+#               (python -m cupylab precompile);
+#   tests       the full test suite (CPU and GPU tests; pytest-xdist workers when installed);
+#   sanitizer   compute-sanitizer memcheck and racecheck on CuPy-only subsets of every kernel
+#               family (elementwise and user kernels, NumPy conformance, row-wise, multi-tensor),
+#               the sanitizer processes running side by side, next to the tests;
+#   bench       host cost per call (cupylab-bench overhead: operators, prepared calls, graphs,
+#               user kernels against cupy.RawKernel), the mixed-dtype elementwise cases, the
+#               row-wise ops at two bf16 shapes, and the multi-tensor quick bench, each beside its
+#               peers, one after another (nothing else runs on the GPU while they time);
+# then a summary (also written to OUTDIR/summary.txt).
+# Usage: scripts/gpu_check.sh [OUTDIR]   (logs go to OUTDIR, default ./out)
+# STEPS (default "precompile tests sanitizer bench") picks steps; JOBS sets the parallelism;
+# T_TESTS, T_SAN, T_BENCH cap the steps in seconds (a step that runs out is reported as such).
 #
 # INSTALLED=1 first makes a regular (non-editable) install of this checkout into the current
-# interpreter (`pip install --no-deps --no-build-isolation .`, no network needed) and runs
-# everything from outside the checkout against the installed package, as a user would.
+# interpreter (`pip install --no-deps --no-build-isolation .`, no network needed) and runs the
+# tests and the bench from outside the checkout against the installed package, as a user
+# would; the family scripts (gpu_check_rowwise.sh, gpu_check_multi_tensor.sh,
+# gpu_check_numpy.sh) hold the longer checks of one family each.
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
 OUT=${1:-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$OUT/kernel-cache}
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-tests sanitizer bench}
-summary=()
+STEPS=${STEPS:-precompile tests sanitizer bench}
+JOBS=${JOBS:-$(nproc)}
+SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
+t0=$(date +%s)
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+say() { echo "$*" | tee -a "$OUT/summary.txt"; }
+: > "$OUT/summary.txt"
+say "gpu_check: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+
+BENCH="$PY -m cupylab.bench"
 if [ "${INSTALLED:-0}" = 1 ]; then
   $PY -m pip install -q --no-deps --no-build-isolation "$REPO" > "$OUT/install.log" 2>&1
-  summary+=("install (rc=$?): $(tail -n 1 "$OUT/install.log")")
+  say "install (rc=$?): regular install of the checkout"
   mkdir -p "$OUT/elsewhere" && cd "$OUT/elsewhere"   # outside the checkout: the installed package
-  summary+=("cupylab imported from: $($PY -c 'import cupylab; print(cupylab.__file__)')")
+  say "cupylab imported from: $($PY -c 'import cupylab; print(cupylab.__file__)')"
+  command -v cupylab-bench >/dev/null && BENCH=cupylab-bench
 else
   export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 fi
+T="$REPO/tests"
 
-if has tests; then
-  $PY -m pytest -q -p no:cacheprovider -rs "$REPO/tests" ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
-  summary+=("pytest (all tests): $(tail -n 1 "$OUT/pytest.log")")
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 20
+if has precompile; then
+  cc=$($PY -c 'import cupy; d = cupy.cuda.Device(); print(d.compute_capability)')
+  timeout "${T_PRE:-120}" $PY -m cupylab precompile --arch "sm_$cc" --rules numpy,torch \
+    --jobs "$JOBS" > "$OUT/precompile.log" 2>&1
+  say "precompile (rc=$?): $(tail -n 1 "$OUT/precompile.log")  [$(( $(date +%s) - t0 )) s]"
 fi
 
-SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
-if has sanitizer; then
-  if command -v "$SAN" >/dev/null 2>&1; then
-    # memcheck: every elementwise kernel variant on CuPy inputs (torch's own start-up under the
-    # sanitizer costs minutes and exercises the same kernels), and the user-kernel launches.
-    "$SAN" --tool memcheck --error-exitcode 99 --target-processes all \
-      $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_elementwise.py" "$REPO/tests/test_kernels_gpu.py" \
-      -k "${MEMCHECK_SELECT:-(cupy or kernels_gpu) and not large and not torch and not jax and not numba and not two_threads and not new_process and not example}" \
-      > "$OUT/memcheck.log" 2>&1
-    summary+=("compute-sanitizer memcheck (rc=$?): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';') $(grep -E '(passed|failed)' "$OUT/memcheck.log" | tail -n 1)")
-    "$SAN" --tool racecheck --error-exitcode 99 --target-processes all \
-      $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_elementwise.py" "$REPO/tests/test_kernels_gpu.py" \
-      -k "${RACECHECK_SELECT:-(cupy_every and float32) or shared or graph}" \
-      > "$OUT/racecheck.log" 2>&1
-    summary+=("compute-sanitizer racecheck (rc=$?): $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';') $(grep -E '(passed|failed)' "$OUT/racecheck.log" | tail -n 1)")
-  else
-    summary+=("compute-sanitizer: not found")
-  fi
+# -- sanitizer jobs, started in the background next to the tests ---------------------------
+san_pids=()
+san() {  # san NAME TOOL -k SELECTION FILES...
+  local name=$1 tool=$2 sel=$3; shift 3
+  local files=()
+  for f in "$@"; do files+=("$T/$f"); done
+  ( cd "$REPO" && timeout "${T_SAN:-240}" "$SAN" --tool "$tool" --error-exitcode 99 \
+      --target-processes all $PY -m pytest -q -p no:cacheprovider "${files[@]}" -k "$sel" \
+      > "$OUT/san_$name.log" 2>&1; echo "rc=$?" >> "$OUT/san_$name.log" ) &
+  san_pids+=($!)
+}
+if has sanitizer && command -v "$SAN" >/dev/null 2>&1; then
+  san ew_mem memcheck "(cupy or kernels_gpu) and not large and not torch and not jax and not numba and not two_threads and not new_process and not example" \
+    test_gpu_elementwise.py test_kernels_gpu.py
+  san conf_mem memcheck "(layouts and (float32-float16 or int64-int32 or complex64-float32)) or edge_values or all_scalar" \
+    test_gpu_conformance.py
+  san row_mem memcheck '(softmax_forward and bfloat16 and (199-33 or 199-1000 or 2-262144 or 5-65537 or 199-3)) or (norms_forward and float32 and same and (199-31 or 60-4097 or 5-65537 or 1-300000)) or (backward_analytic and bfloat16 and (199-33 or 30-4097 or 2-70001)) or (cross_entropy and bfloat16 and 0.0 and (199-3 or 2-128256 or 1-300000)) or other_axis or bad_targets' \
+    test_rowwise_gpu.py
+  san row_race racecheck '(softmax_forward and bfloat16 and (199-33 or 199-1000 or 2-262144 or 60-4097)) or (norms_forward and float32 and same and (60-4097 or 5-65537)) or (backward_analytic and float32 and 30-4097) or (cross_entropy and bfloat16 and 0.1 and 2-128256)' \
+    test_rowwise_gpu.py
+  san mt_mem memcheck "not torch and not large and not 5000 and not jax and not mixed and not reallocated and not 300" \
+    test_multi_tensor_gpu.py
+  san mt_race racecheck "norms_and_clip and cupy and float32" test_multi_tensor_gpu.py
+  say "sanitizer: ${#san_pids[@]} jobs started  [$(( $(date +%s) - t0 )) s]"
+fi
+
+if has tests; then
+  par=()
+  $PY -c 'import xdist' 2>/dev/null && par=(-n "${TEST_JOBS:-$(( JOBS > 12 ? 12 : JOBS ))}")
+  timeout "${T_TESTS:-300}" $PY -m pytest -q -p no:cacheprovider -rs "${par[@]}" "$T" ${PYTEST_ARGS:-} \
+    > "$OUT/pytest.log" 2>&1
+  say "pytest, all tests (rc=$?): $(tail -n 1 "$OUT/pytest.log")  [$(( $(date +%s) - t0 )) s]"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 40 | tee -a "$OUT/summary.txt"
+fi
+
+if [ ${#san_pids[@]} -gt 0 ]; then
+  wait "${san_pids[@]}"
+  for f in "$OUT"/san_*.log; do
+    say "$(basename "$f" .log) ($(tail -n 1 "$f")): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | sort | uniq -c | tr -s ' ' | tr '\n' ';') $(grep -E '[0-9]+ (passed|failed)' "$f" | tail -n 1)"
+  done
+  say "  [$(( $(date +%s) - t0 )) s]"
 fi
 
 if has bench; then
-  ${BENCH:-$PY -m cupylab.bench} run vector_add fused_add_mul --dtype float32,bfloat16 --size 2^26 \
-    --peers torch,cupy --json "$OUT/bench-short.json" > "$OUT/bench-short.log" 2>&1
-  summary+=("bench (rc=$?):")
-  while IFS= read -r line; do summary+=("  $line"); done < <(grep -E "^(op |vector_add|fused_add_mul|ceiling)" "$OUT/bench-short.log")
-  ${BENCH:-$PY -m cupylab.bench} overhead --json "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
-  summary+=("overhead (rc=$?): see $OUT/overhead.log")
+  cd "$REPO"
+  timeout "${T_BENCH:-90}" $BENCH overhead --json "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
+  say "overhead (rc=$?):"; grep -vE "^\s*$" "$OUT/overhead.log" | tail -n 40 | tee -a "$OUT/summary.txt"
+  timeout "${T_BENCH:-90}" $BENCH run add --framework cupy --peers cupy,torch \
+    --dtype float32,float32+float16,int64+int32,int32+float32 --size 2^24,2^26 \
+    --json "$OUT/bench-mixed.json" > "$OUT/bench-mixed.log" 2>&1
+  say "mixed-dtype add (rc=$?):"; grep -vE "^\s*$" "$OUT/bench-mixed.log" | tail -n 12 | tee -a "$OUT/summary.txt"
+  timeout "${T_BENCH:-90}" $BENCH run softmax rms_norm layer_norm -d bfloat16 -s 8192x8192 \
+    -s 32768x1024 --peers torch -r 5 -q --json "$OUT/bench-rowwise.json" > "$OUT/bench-rowwise.log" 2>&1
+  say "row-wise (rc=$?):"; grep -vE "^\s*$" "$OUT/bench-rowwise.log" | tail -n 10 | tee -a "$OUT/summary.txt"
+  timeout "${T_BENCH:-90}" $PY -m cupylab.bench.multi_tensor --quick --json "$OUT/bench-mt.json" \
+    > "$OUT/bench-mt.log" 2>&1
+  say "multi-tensor (rc=$?):"; grep -E "^case=" "$OUT/bench-mt.log" | tee -a "$OUT/summary.txt"
+  say "  [$(( $(date +%s) - t0 )) s]"
 fi
-
-printf '\n==== SUMMARY ====\n'
-printf '%s\n' "${summary[@]}"
