@@ -12,8 +12,9 @@
 #               peers, one after another (nothing else runs on the GPU while they time);
 # then a summary (also written to OUTDIR/summary.txt).
 # Usage: scripts/gpu_check.sh [OUTDIR]   (logs go to OUTDIR, default ./out)
-# STEPS (default "precompile tests sanitizer bench") picks steps; JOBS sets the parallelism;
-# T_TESTS, T_SAN, T_BENCH cap the steps in seconds (a step that runs out is reported as such).
+# STEPS (default "precompile tests sanitizer overhead mixed rowbench mtbench": the bench is the
+# last four) picks steps; JOBS sets the parallelism; T_PRE, T_TESTS, T_SAN, T_BENCH cap the
+# steps in seconds (a step that runs out is reported with rc=124).
 #
 # INSTALLED=1 first makes a regular (non-editable) install of this checkout into the current
 # interpreter (`pip install --no-deps --no-build-isolation .`, no network needed) and runs the
@@ -29,7 +30,7 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$OUT/kernel-cache}
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-precompile tests sanitizer bench}
+STEPS=${STEPS:-precompile tests sanitizer overhead mixed rowbench mtbench}
 JOBS=${JOBS:-$(nproc)}
 SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
 t0=$(date +%s)
@@ -100,19 +101,24 @@ if [ ${#san_pids[@]} -gt 0 ]; then
   say "  [$(( $(date +%s) - t0 )) s]"
 fi
 
-if has bench; then
-  cd "$REPO"
+if has overhead; then
   timeout "${T_BENCH:-90}" $BENCH overhead --json "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
   say "overhead (rc=$?):"; grep -vE "^\s*$" "$OUT/overhead.log" | tail -n 40 | tee -a "$OUT/summary.txt"
+fi
+if has mixed; then
   timeout "${T_BENCH:-90}" $BENCH run add --framework cupy --peers cupy,torch \
     --dtype float32,float32+float16,int64+int32,int32+float32 --size 2^24,2^26 \
     --json "$OUT/bench-mixed.json" > "$OUT/bench-mixed.log" 2>&1
-  say "mixed-dtype add (rc=$?):"; grep -vE "^\s*$" "$OUT/bench-mixed.log" | tail -n 12 | tee -a "$OUT/summary.txt"
+  say "mixed-dtype add (rc=$?):"; grep -vE "^\s*$" "$OUT/bench-mixed.log" | tail -n 14 | tee -a "$OUT/summary.txt"
+fi
+if has rowbench; then
   timeout "${T_BENCH:-90}" $BENCH run softmax rms_norm layer_norm -d bfloat16 -s 8192x8192 \
     -s 32768x1024 --peers torch -r 5 -q --json "$OUT/bench-rowwise.json" > "$OUT/bench-rowwise.log" 2>&1
   say "row-wise (rc=$?):"; grep -vE "^\s*$" "$OUT/bench-rowwise.log" | tail -n 10 | tee -a "$OUT/summary.txt"
+fi
+if has mtbench; then
   timeout "${T_BENCH:-90}" $PY -m cupylab.bench.multi_tensor --quick --json "$OUT/bench-mt.json" \
     > "$OUT/bench-mt.log" 2>&1
   say "multi-tensor (rc=$?):"; grep -E "^case=" "$OUT/bench-mt.log" | tee -a "$OUT/summary.txt"
-  say "  [$(( $(date +%s) - t0 )) s]"
 fi
+say "done  [$(( $(date +%s) - t0 )) s]"
