@@ -7,7 +7,8 @@ Every table in docs/perf.md sits between two marker comments::
     <!-- /table -->
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
-(``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``) and the
+(``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
+``mixed.json``, ``rowwise.json``) and the
 command file, and leaves every other line (the prose) alone. The per-case tables are formatted
 by :mod:`cupylab.bench._report`, the same code that prints them on the command line.
 
@@ -46,6 +47,8 @@ FILES = {  # stored file -> what it holds
     "overhead.json": "host cost per call and graph replay",
     "medium.json": "float dtypes at 2^20..2^23, 7 repetitions (a second look at medium sizes)",
     "large16.json": "16-bit dtypes at 2^24..2^28, 9 repetitions (a second look at the ties)",
+    "mixed.json": "add with operands of different dtypes (NumPy promotion), peers torch and CuPy",
+    "rowwise.json": "softmax, rms_norm, layer_norm in bfloat16 beside torch eager",
 }
 
 
@@ -175,8 +178,14 @@ def t_sweep_ops(data):
     return _drop_empty_last(_report.results_table(keep, markdown=True))
 
 
-def t_fusion(data):
-    return _drop_empty_last(_report.results_table(data["fusion.json"]["results"], markdown=True))
+def _results(name):
+    return lambda data: _drop_empty_last(_report.results_table(data[name]["results"],
+                                                               markdown=True))
+
+
+t_fusion = _results("fusion.json")
+t_mixed = _results("mixed.json")
+t_rowwise = _results("rowwise.json")
 
 
 def t_repeats(data):
@@ -213,7 +222,8 @@ def t_graphs(data):
 
 TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "fusion": t_fusion,
-          "repeats": t_repeats, "host": t_host, "graphs": t_graphs}
+          "repeats": t_repeats, "host": t_host, "graphs": t_graphs, "mixed": t_mixed,
+          "rowwise": t_rowwise}
 
 
 # ----------------------------------------------------------------------------- the page
