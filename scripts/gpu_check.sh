@@ -53,7 +53,7 @@ T="$REPO/tests"
 
 if has precompile; then
   cc=$($PY -c 'import cupy; d = cupy.cuda.Device(); print(d.compute_capability)')
-  timeout "${T_PRE:-120}" $PY -m cupylab precompile --arch "sm_$cc" --rules numpy,torch \
+  timeout "${T_PRE:-150}" $PY -m cupylab precompile --arch "sm_$cc" --rules "${RULES:-numpy}" \
     --jobs "$JOBS" > "$OUT/precompile.log" 2>&1
   say "precompile (rc=$?): $(tail -n 1 "$OUT/precompile.log")  [$(( $(date +%s) - t0 )) s]"
 fi
@@ -86,11 +86,14 @@ fi
 
 if has tests; then
   par=()
-  $PY -c 'import xdist' 2>/dev/null && par=(-n "${TEST_JOBS:-$(( JOBS > 12 ? 12 : JOBS ))}")
+  # -v with xdist: one line per test as it finishes, so a run cut short by its time cap still
+  # names what failed
+  $PY -c 'import xdist' 2>/dev/null && par=(-n "${TEST_JOBS:-$(( JOBS > 12 ? 12 : JOBS ))}" -v)
   timeout "${T_TESTS:-300}" $PY -m pytest -q -p no:cacheprovider -rs "${par[@]}" "$T" ${PYTEST_ARGS:-} \
     > "$OUT/pytest.log" 2>&1
   say "pytest, all tests (rc=$?): $(tail -n 1 "$OUT/pytest.log")  [$(( $(date +%s) - t0 )) s]"
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 40 | tee -a "$OUT/summary.txt"
+  say "  $(grep -cE " PASSED " "$OUT/pytest.log") passed, $(grep -cE " FAILED " "$OUT/pytest.log") failed, $(grep -cE " SKIPPED " "$OUT/pytest.log") skipped (per-test lines)"
+  grep -E "^(FAILED|ERROR)| FAILED | ERROR " "$OUT/pytest.log" | head -n 40 | tee -a "$OUT/summary.txt"
 fi
 
 if [ ${#san_pids[@]} -gt 0 ]; then
