@@ -156,3 +156,17 @@ def sim(monkeypatch):
 
     monkeypatch.setattr(_launch.Kernel, "launch", launch)
     return rec
+
+
+def compile_every(programs, cc):
+    """Compile every program for compute capability ``cc`` through NVRTC (no GPU, no cache)
+    and check each gives a cubin with all its instances; returns the number of instances."""
+    from cupylab import _compile
+
+    n = 0
+    for prog in programs:
+        binary, mapping, kind, _ = _compile.compile_program(prog, cc)
+        assert kind == "cubin" and binary[:4] == b"\x7fELF"
+        assert set(mapping) == set(prog.name_expressions)
+        n += len(mapping)
+    return n

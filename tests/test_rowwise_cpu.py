@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 import cupylab
-from cupylab import _compile, _dtypes
+from cupylab import _dtypes
 from cupylab import reference as R
 from cupylab.ops import _rowcore as rc
 
-from conftest import FakeCAI
+from conftest import FakeCAI, compile_every
 
 BF16, F32, F64 = (_dtypes.from_name(n) for n in ("bfloat16", "float32", "float64"))
 
@@ -139,10 +139,5 @@ def test_references():
 @pytest.mark.parametrize("cc", [80, 90])
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
-    n = 0
-    for prog in rc.all_programs():
-        binary, mapping, kind, _ = _compile.compile_program(prog, cc)
-        assert kind == "cubin" and binary[:4] == b"\x7fELF"
-        assert set(mapping) == set(prog.name_expressions)
-        n += len(mapping)
+    n = compile_every(rc.all_programs(), cc)
     assert n == 602
