@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import struct
 
-from .. import _compile, _dtypes, _launch, _promotion, _runtime
+from .. import _compile, _dask, _dtypes, _launch, _promotion, _runtime
 from .._arrays import as_view
 from .._elementwise_core import (Call, allocate, broadcast_strides, c_strides, coalesce,
                                  finish_output, prepare_call)
@@ -274,7 +274,11 @@ def _call(name, kop, operands, names, out, dtype, casting, stream, allow):
 
 def _run(name, kop, operands, names, out, dtype, casting, stream, allow):
     """The general path: full validation, every layout and dtype combination, the documented
-    errors. The public operators try the lean path (:mod:`cupylab.ops._fast`) first."""
+    errors. The public operators try the lean path (:mod:`cupylab.ops._fast`) first. Dask
+    arrays among the operands make a lazy Dask array instead (:mod:`cupylab._dask`)."""
+    if _dask.any_dask(operands):
+        return _dask.elementwise(name, _NAMES[kop], globals()[name], operands, names, out,
+                                 dtype, casting, stream, allow)
     c, dt = _call(name, kop, operands, names, out, dtype, casting, stream, allow)
     if c is None:
         return _host_scalars(name, kop, operands, dt, casting)

@@ -1,0 +1,120 @@
+"""cupylab's elementwise operators on Dask arrays: graph construction (shapes, chunks, dtype,
+meta, broadcasting, bad input) with a stand-in chunk type, and the graph's wiring computed with
+NumPy standing in for the per-chunk GPU call (no GPU needed)."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cupylab
+from cupylab import _dask
+
+da = pytest.importorskip("dask.array")
+dask = pytest.importorskip("dask")
+
+
+class Chunk(np.ndarray):
+    """A stand-in chunk type (a GPU array type in real use): the result's meta must keep it."""
+
+
+def chunked(a, chunks):
+    return da.from_array(np.asarray(a).view(Chunk), chunks=chunks, asarray=False)
+
+
+NUMPY = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
+         "divide": np.divide, "floor_divide": np.floor_divide,
+         "vector_add": np.add, "fused_add_mul": lambda a, b, s, **k: np.multiply(np.add(a, b), s)}
+
+
+@pytest.fixture
+def numpy_chunks(monkeypatch):
+    """Each chunk computed by NumPy instead of a GPU kernel (same arguments)."""
+    calls = []
+
+    def chunk_call(fn, dtype, casting, *blocks):
+        calls.append((fn.__name__, [b.shape if hasattr(b, "shape") else b for b in blocks]))
+        blocks = [np.asarray(b) if isinstance(b, np.ndarray) else b for b in blocks]
+        r = NUMPY[fn.__name__](*blocks)
+        return np.asarray(r, dtype=dtype).view(Chunk) if dtype is not None else np.asarray(r).view(Chunk)
+
+    monkeypatch.setattr(_dask, "_chunk_call", chunk_call)
+    return calls
+
+
+def test_import_cupylab_does_not_import_dask():
+    code = "import sys, cupylab; print('dask' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_result_is_lazy_with_the_chunk_type_as_meta():
+    x = chunked(np.ones((1000, 300), np.float32), (250, 100))
+    y = chunked(np.ones((300,), np.float16), (150,))
+    z = cupylab.add(x, y)
+    assert isinstance(z, da.Array)
+    assert z.shape == (1000, 300) and z.dtype == np.float32
+    assert type(z._meta) is Chunk and z._meta.ndim == 2
+    assert z.chunks == ((250,) * 4, (100, 50, 50, 100))  # unified by Dask
+
+
+@pytest.mark.parametrize("op, a, b, want", [
+    ("add", np.int32, np.float32, np.float64),
+    ("divide", np.int32, np.int32, np.float64),
+    ("floor_divide", np.int64, np.int32, np.int64),
+    ("multiply", np.float16, np.float32, np.float32),
+])
+def test_result_dtype_is_numpys_rule(op, a, b, want):
+    x = chunked(np.ones(10, a), 5)
+    y = chunked(np.ones(10, b), 5)
+    assert getattr(cupylab, op)(x, y).dtype == want
+
+
+def test_python_scalars_are_weak_numpy_scalars_are_not():
+    x = chunked(np.ones(10, np.float32), 5)
+    assert cupylab.add(x, 2.5).dtype == np.float32
+    assert cupylab.add(x, np.float64(2.5)).dtype == np.float64
+    assert cupylab.multiply(3, x).dtype == np.float32
+
+
+def test_dtype_keyword_sets_the_result_dtype():
+    x = chunked(np.ones(10, np.float32), 5)
+    assert cupylab.add(x, x, dtype="float64").dtype == np.float64
+
+
+@pytest.mark.parametrize("op", ["add", "subtract", "multiply", "divide", "floor_divide"])
+def test_computed_graph_matches_numpy_with_broadcast_and_misaligned_chunks(op, numpy_chunks):
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((37, 29)).astype(np.float32) + 3
+    b = rng.standard_normal((29,)).astype(np.float32) + 3
+    c = rng.standard_normal((37, 1)).astype(np.float32) + 3
+    x, y, w = chunked(a, (10, 8)), chunked(b, (7,)), chunked(c, (12, 1))
+    f = getattr(cupylab, op)
+    got = f(f(x, y), w).compute(scheduler="sync")
+    ref = NUMPY[op](NUMPY[op](a, b), c)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-6)
+    assert numpy_chunks and all(n == op for n, _ in numpy_chunks)
+
+
+def test_gpu_array_and_scalars_go_into_every_chunk(numpy_chunks):
+    a = np.arange(60, dtype=np.float64).reshape(6, 10)
+    bias = np.linspace(0, 1, 10).view(Chunk)  # not a Dask array: one chunk, aligned by Dask
+    x = chunked(a, (2, 4))
+    got = cupylab.fused_add_mul(x, bias, 0.5).compute(scheduler="sync")
+    np.testing.assert_allclose(np.asarray(got), (a + np.asarray(bias)) * 0.5)
+
+
+def test_bad_inputs_are_refused_before_any_graph_runs():
+    x = chunked(np.ones((4, 6), np.float32), (2, 3))
+    with pytest.raises(TypeError, match="add: out= is not supported with Dask arrays"):
+        cupylab.add(x, x, out=x)
+    with pytest.raises(TypeError, match="add: stream= is not supported with Dask arrays"):
+        cupylab.add(x, x, stream=0)
+    with pytest.raises(TypeError, match=r"vector_add: x2 must be a GPU array \(got a scalar 2.0\)"):
+        cupylab.vector_add(x, 2.0)
+    with pytest.raises(ValueError, match=r"add: shapes \(4, 6\) and \(5,\) cannot be broadcast"):
+        cupylab.add(x, chunked(np.ones(5, np.float32), 5))
+    with pytest.raises(TypeError, match="add: x2 must be a Dask array, a GPU array or a scalar"):
+        cupylab.add(x, "a")
+    with pytest.raises(TypeError, match="subtract: .*boolean"):
+        cupylab.subtract(chunked(np.ones(3, bool), 3), chunked(np.ones(3, bool), 3))
