@@ -123,3 +123,80 @@ def elementwise(name, promo_op, fn, operands, names, out, dtype, casting, stream
     return da.blockwise(functools.partial(_chunk_call, fn, dtype, casting),
                         tuple(range(len(shape)))[::-1], *args, dtype=npdt, meta=meta,
                         concatenate=True)
+
+
+def _whole_rows(name, pname, a, axis):
+    """``a`` with ``axis`` in one chunk: rechunked when it is split, unless the Dask config
+    says ``cupylab.rechunk: False``, then a ``ValueError``."""
+    import dask  # noqa: PLC0415
+
+    n = len(a.chunks[axis])
+    if n == 1:
+        return a
+    if not dask.config.get("cupylab.rechunk", True):
+        raise ValueError(
+            f"{name}: axis {axis} of {pname} is split into {n} chunks, but row-wise operators "
+            f"need whole rows in a chunk, and rechunking is turned off (dask config "
+            f"cupylab.rechunk=False); rechunk it first: {pname}.rechunk({{{axis}: -1}})")
+    return a.rechunk({axis: -1})
+
+
+def rowwise(name, fn, arrays, axis, kwargs, out, stream, refuse=()):
+    """Build the lazy Dask array for a row-wise operator ``fn`` over ``axis``.
+
+    ``arrays`` are ``(name, operand)`` pairs of the operands of the input's shape (``x``; ``y``
+    and ``dy`` for the backward), at least one of them a Dask array; ``kwargs`` go to every
+    chunk's call as they are (weights, ``eps``); ``refuse`` names ``(parameter, value)`` pairs
+    that cannot be honoured on Dask arrays. Rows along ``axis`` are made whole (see
+    :func:`_whole_rows`), the other axes keep their chunks, aligned by Dask.
+
+    Raises
+    ------
+    TypeError
+        ``out=``, ``stream=`` or a refused option given; a keyword operand that is a Dask array
+        (weights are small: pass a GPU array); an operand that is not a Dask or GPU array.
+    ValueError
+        A split row axis with rechunking turned off; shapes that differ.
+    """
+    if out is not None:
+        raise TypeError(f"{name}: out= is not supported with Dask arrays (they are lazy graphs, "
+                        "never written in place); use the returned Dask array")
+    if stream is not None:
+        raise TypeError(f"{name}: stream= is not supported with Dask arrays: each chunk runs on "
+                        "its worker's current stream")
+    for pname, value in refuse:
+        raise TypeError(f"{name}: {pname}={value!r} is not supported with Dask arrays")
+    for k, v in kwargs.items():
+        if is_dask(v):
+            raise TypeError(f"{name}: {k} must be a GPU array (it is small: one copy goes to "
+                            "every chunk), not a Dask array")
+    import dask.array as da  # noqa: PLC0415
+    from dask.array.utils import meta_from_array  # noqa: PLC0415
+
+    lead = next(a for _, a in arrays if is_dask(a))
+    nd = lead.ndim
+    if nd == 0:
+        raise ValueError(f"{name}: x must have at least one dimension (got a 0-d array)")
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -nd <= axis < nd:
+        raise ValueError(f"{name}: axis {axis!r} is out of range for {nd} dimensions")
+    axis %= nd
+    ops = []
+    for pname, a in arrays:
+        if not is_dask(a):
+            if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+                raise TypeError(f"{name}: {pname} must be a Dask array or a GPU array (got "
+                                f"{type(a).__module__}.{type(a).__qualname__})")
+            a = da.from_array(a, chunks=tuple(a.shape), asarray=False,
+                              meta=meta_from_array(a, ndim=len(a.shape)))
+        if a.shape != lead.shape:
+            raise ValueError(f"{name}: {pname} has shape {a.shape}, expected {lead.shape}")
+        ops.append(_whole_rows(name, pname, a, axis))
+    meta = meta_from_array(lead._meta, ndim=nd, dtype=lead.dtype)
+    call = functools.partial(_rows_call, fn, axis, kwargs)
+    return da.map_blocks(call, *ops, dtype=lead.dtype, meta=meta)
+
+
+def _rows_call(fn, axis, kwargs, *blocks):
+    if axis != blocks[0].ndim - 1:
+        kwargs = dict(kwargs, axis=axis)
+    return fn(*blocks, **kwargs)

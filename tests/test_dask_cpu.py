@@ -118,3 +118,71 @@ def test_bad_inputs_are_refused_before_any_graph_runs():
         cupylab.add(x, "a")
     with pytest.raises(TypeError, match="subtract: .*boolean"):
         cupylab.subtract(chunked(np.ones(3, bool), 3), chunked(np.ones(3, bool), 3))
+
+
+# -- row-wise operators: whole rows per chunk ------------------------------------------------
+def _np_softmax(x, axis=-1):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+@pytest.fixture
+def numpy_rows(monkeypatch):
+    """Each chunk's row-wise call done by NumPy; records the blocks' shapes."""
+    seen = []
+
+    def rows_call(fn, axis, kwargs, *blocks):
+        seen.append([b.shape for b in blocks])
+        b = [np.asarray(x, np.float64) for x in blocks]
+        if fn.__name__ == "softmax":
+            r = _np_softmax(b[0], axis)
+        elif fn.__name__ == "rms_norm":
+            w = np.asarray(kwargs.get("weight", 1.0), np.float64)
+            r = b[0] / np.sqrt((b[0] ** 2).mean(-1, keepdims=True) + kwargs["eps"]) * w
+        else:
+            raise AssertionError(fn.__name__)
+        return r.astype(blocks[0].dtype).view(Chunk)
+
+    monkeypatch.setattr(_dask, "_rows_call", rows_call)
+    return seen
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_rowwise_rechunks_the_row_axis_and_keeps_the_others(axis, numpy_rows):
+    a = np.random.default_rng(3).standard_normal((50, 40)).astype(np.float32)
+    x = chunked(a, (20, 16))
+    s = cupylab.softmax(x, axis=axis)
+    assert type(s._meta) is Chunk and s.dtype == np.float32
+    whole = axis % 2
+    assert len(s.chunks[whole]) == 1 and s.chunks[1 - whole] == x.chunks[1 - whole]
+    np.testing.assert_allclose(np.asarray(s.compute(scheduler="sync")), _np_softmax(a, axis),
+                               rtol=1e-5)
+    assert all(shape[whole] == a.shape[whole] for blocks in numpy_rows for shape in blocks)
+
+
+def test_rms_norm_sends_the_weight_to_every_chunk(numpy_rows):
+    a = np.random.default_rng(4).standard_normal((30, 24))
+    w = np.linspace(0.5, 2, 24)
+    y = cupylab.rms_norm(chunked(a, (7, 24)), w, eps=1e-6).compute(scheduler="sync")
+    ref = a / np.sqrt((a ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-12)
+    assert len(numpy_rows) == 5
+
+
+def test_rowwise_refusals():
+    x = chunked(np.ones((8, 6), np.float32), (4, 3))
+    with dask.config.set({"cupylab.rechunk": False}):
+        with pytest.raises(ValueError, match=r"softmax: axis 1 of x is split into 2 chunks.*"
+                                             r"x\.rechunk\(\{1: -1\}\)"):
+            cupylab.softmax(x)
+        cupylab.softmax(x.rechunk({1: -1}))  # whole rows: nothing to refuse
+    with pytest.raises(TypeError, match="rms_norm: return_stats=True is not supported"):
+        cupylab.rms_norm(x, return_stats=True)
+    with pytest.raises(TypeError, match="rms_norm: weight must be a GPU array"):
+        cupylab.rms_norm(x, chunked(np.ones(6, np.float32), 6))
+    with pytest.raises(TypeError, match="add_rms_norm: Dask arrays are not supported"):
+        cupylab.add_rms_norm(x, x, None)
+    with pytest.raises(TypeError, match="softmax: out= is not supported"):
+        cupylab.softmax(x, out=x)
+    with pytest.raises(ValueError, match=r"softmax_backward: dy has shape \(8, 5\)"):
+        cupylab.softmax_backward(x, chunked(np.ones((8, 5), np.float32), (4, 5)))

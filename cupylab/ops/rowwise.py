@@ -10,6 +10,7 @@ Kernel choice per row length: :mod:`cupylab.ops._rowcore`.
 """
 from __future__ import annotations
 
+from .. import _dask
 from . import _rowcore as rc
 
 __all__ = ["softmax", "log_softmax", "rms_norm", "layer_norm", "add_rms_norm",
@@ -56,6 +57,8 @@ def _axis(opname, axis, nd):
 
 
 def _softmax_like(opname, x, axis, out, stream):
+    if _dask.is_dask(x):
+        return _dask.rowwise(opname, globals()[opname], [("x", x)], axis, {}, out, stream)
     c = rc.gather(opname, {"x": x, "out": out}, stream)
     xv = c.views["x"]
     rc.check_float(opname, "x", xv)
@@ -120,6 +123,18 @@ _doc(log_softmax, """``x - max - log(sum(exp(x - max)))`` along ``axis``.
 
 
 def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, stream):
+    if _dask.is_dask(x) or _dask.is_dask(residual):
+        if residual is not None:
+            raise TypeError(f"{opname}: Dask arrays are not supported (it returns two arrays); "
+                            "on Dask arrays compute h = cupylab.add(x, residual), then "
+                            "cupylab.rms_norm(h, weight, eps)")
+        kw = {"eps": eps}
+        if weight is not None:
+            kw["weight"] = weight
+        if bias is not None:
+            kw["bias"] = bias
+        return _dask.rowwise(opname, globals()[opname], [("x", x)], -1, kw, out, stream,
+                             refuse=[("return_stats", True)] if return_stats else ())
     c = rc.gather(opname, {"x": x, "residual": residual, "weight": weight, "bias": bias,
                            "out": out}, stream)
     v = c.views
@@ -269,6 +284,9 @@ _doc(add_rms_norm, """``h = x + residual`` (rounded to x's dtype), ``y = rms_nor
 # --------------------------------------------------------------------------------------------
 # backward
 def _softmax_bwd(opname, y, dy, out, stream):
+    if _dask.is_dask(y) or _dask.is_dask(dy):
+        return _dask.rowwise(opname, globals()[opname], [("y", y), ("dy", dy)], -1, {}, out,
+                             stream)
     c = rc.gather(opname, {"y": y, "dy": dy, "out": out}, stream)
     yv, dv = c.views["y"], c.views["dy"]
     rc.check_float(opname, "y", yv)
