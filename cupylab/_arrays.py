@@ -100,6 +100,10 @@ def _looks_like_host_array(obj):
 
 
 def _host_error(what, obj):
+    if (type(obj).__module__ or "").startswith("dask."):
+        return TypeError(f"{what} is a Dask array, which this operator does not take (the "
+                         "elementwise and row-wise operators do); pass a GPU array, e.g. one "
+                         "chunk, or map the operator over the chunks with map_blocks")
     if _looks_like_host_array(obj):
         return TypeError(f"{what} must be {_EXPECTED}; got host data of type {_what(obj)}")
     return TypeError(f"{what} must be {_EXPECTED}; got {_what(obj)}, which is not an array")

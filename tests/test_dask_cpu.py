@@ -186,3 +186,9 @@ def test_rowwise_refusals():
         cupylab.softmax(x, out=x)
     with pytest.raises(ValueError, match=r"softmax_backward: dy has shape \(8, 5\)"):
         cupylab.softmax_backward(x, chunked(np.ones((8, 5), np.float32), (4, 5)))
+
+
+def test_operators_without_dask_support_say_so():
+    x = chunked(np.ones((4, 6), np.float32), (2, 3))
+    with pytest.raises(TypeError, match="logits is a Dask array, which this operator does not"):
+        cupylab.cross_entropy(x, chunked(np.zeros(4, np.int64), 2))

@@ -183,3 +183,16 @@ def test_prepare_refuses_other_functions():
         foreach.prepare(cupylab.add, 1, 2)
     with pytest.raises(TypeError, match="is not a cupylab.foreach"):
         foreach.prepare(foreach.prepare, foreach.add_)
+
+
+def test_host_dlpack_producer_is_a_type_error_before_any_gpu_call(monkeypatch):
+    from cupylab import _runtime
+
+    from conftest import FakeDLPack
+
+    def no_gpu(*a, **k):
+        raise AssertionError("the runtime was touched before the producer's device was checked")
+
+    monkeypatch.setattr(_runtime, "cupy", no_gpu)
+    with pytest.raises(TypeError, match=r"add_: tensors\[0\] must be a CUDA device array .*host data"):
+        foreach.add_([FakeDLPack((4,), device_type=1)], 1.0)

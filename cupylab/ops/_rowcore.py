@@ -250,40 +250,33 @@ def gather(opname, arrays, stream=None):
     inputs, CuPy's otherwise) or ``stream``. DLPack-only producers (JAX ...) are imported with
     that stream; producers that name their stream (CAI v3) are waited for."""
     items = [(k, v) for k, v in arrays.items() if v is not None]
-    fns = {}
+    fns, views, deferred_dev = {}, {}, {}
     for k, v in items:
         fn = _arrays.framework_of(v)
         if fn is None:
-            raise TypeError(
-                f"{opname}: {k} must be a CUDA device array (CuPy, torch, JAX, Numba, or an "
-                f"object with __cuda_array_interface__ / __dlpack__); got "
-                f"{type(v).__module__}.{type(v).__qualname__}")
+            raise _arrays._host_error(f"{opname}: {k}", v)
         fns[k] = fn
-    views = {}
-    for k, v in items:
-        if fns[k].__name__ not in ("_from_jax", "_from_dlpack"):  # the stream-free adapters
-            views[k] = _arrays.as_view(v, f"{opname}: {k}")
+        if fn in _arrays.DEFERRED:  # imported once the stream is known (DLPack, JAX)
+            deferred_dev[k] = _arrays.deferred_device(v, fn, f"{opname}: {k}")
+        else:
+            views[k] = fn(v, f"{opname}: {k}", None)
     lk, lv = items[0]
     if lk in views:
         kind = _KINDS.get(views[lk].kind, "cupy")
-        device = views[lk].device
-        if device is None:
-            device = (_runtime.pointer_device(views[lk].ptr) if views[lk].ptr
-                      else _runtime.current_device())
+        device = _arrays.resolve_device(
+            views[lk], None if views[lk].ptr else _runtime.current_device())
     else:
-        kind = "jax" if fns[lk].__name__ == "_from_jax" else "cupy"
-        device = int(lv.__dlpack_device__()[1])
+        kind = "jax" if fns[lk] is _arrays._from_jax else "cupy"
+        device = deferred_dev[lk]
     c = Ctx()
     with _launch.ensure_device(device):
         s = (_launch.current_stream(kind, device) if stream is None
              else _launch.resolve_stream(stream))
         for k, v in items:
             if k not in views:
-                views[k] = _arrays.as_view(v, f"{opname}: {k}", s)
+                views[k] = _arrays.import_deferred(v, fns[k], f"{opname}: {k}", s)
         for k, v in views.items():
-            if v.device is None:
-                v.device = _runtime.pointer_device(v.ptr) if v.ptr else device
-            if v.device != device:
+            if _arrays.resolve_device(v, device) != device:
                 raise ValueError(f"{opname}: arrays are on different GPUs ({lk} on cuda:{device}, "
                                  f"{k} on cuda:{v.device})")
             if v.stream is not None:

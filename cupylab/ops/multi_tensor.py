@@ -27,7 +27,6 @@ __all__ = ["add", "add_", "axpy_", "mul", "mul_", "scale_", "lerp", "lerp_", "co
 
 _KINDS = {_arrays._from_torch: "torch", _arrays._from_cupy: "cupy", _arrays._from_jax: "jax",
           _arrays._from_numba: "numba", _arrays._from_dlpack: "dlpack"}
-_DLPACK = (_arrays._from_jax, _arrays._from_dlpack)
 _modes: dict = {}
 _torch_ptr = None
 
@@ -152,12 +151,11 @@ def _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs=()
                     f"{names[lead]}[0] is a {kind} array; one call takes arrays of one framework")
             row.append(fn)
         fns.append(row)
-    if fn0 in _DLPACK:
-        device = int(obj0.__dlpack_device__()[1])
+    if fn0 in _arrays.DEFERRED:  # imported once the stream is known (DLPack, JAX)
+        device = _arrays.deferred_device(obj0, fn0, f"{opname}: {names[lead]}[0]")
     else:
         v0 = fn0(obj0, f"{opname}: {names[lead]}[0]", None)
-        device = v0.device if v0.device is not None else (
-            _runtime.pointer_device(v0.ptr) if v0.ptr else _runtime.current_device())
+        device = _arrays.resolve_device(v0, None if v0.ptr else _runtime.current_device())
     with _launch.ensure_device(device):
         s = _launch.current_stream(kind, device) if stream is None else _launch.resolve_stream(stream)
         slot_views = []
@@ -170,9 +168,7 @@ def _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs=()
             written = (writes >> k) & 1
             for i, v in enumerate(vs):
                 what = f"{opname}: {names[k]}[{i}]"
-                if v.device is None:
-                    v.device = _runtime.pointer_device(v.ptr) if v.ptr else device
-                if v.device != device:
+                if _arrays.resolve_device(v, device) != device:
                     raise ValueError(f"{what} is on cuda:{v.device} but {names[lead]}[0] is on "
                                      f"cuda:{device}; all arrays must be on one GPU")
                 if v.dtype.name not in P.FLOATS:
