@@ -19,7 +19,8 @@
 # INSTALLED=1 first makes a regular (non-editable) install of this checkout into the current
 # interpreter (`pip install --no-deps --no-build-isolation .`, no network needed) and runs the
 # tests and the bench from outside the checkout against the installed package, as a user
-# would; the family scripts (gpu_check_rowwise.sh, gpu_check_multi_tensor.sh,
+# would. Wheels in .whl (scripts/device_wheels.sh) are installed first where the interpreter
+# lacks Dask. The family scripts (gpu_check_rowwise.sh, gpu_check_multi_tensor.sh,
 # gpu_check_numpy.sh) hold the longer checks of one family each.
 set -u
 cd "$(dirname "$0")/.."
@@ -39,6 +40,13 @@ say() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 say "gpu_check: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 
+# Wheels carried for an offline machine (scripts/device_wheels.sh): Dask for the Dask tests.
+if [ -d "$REPO/.whl" ] && ! $PY -c 'import dask, distributed' 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "$OUT/site" "$REPO"/.whl/*.whl \
+    > "$OUT/wheels.log" 2>&1
+  say "wheels from .whl (rc=$?): $(ls "$REPO/.whl" | tr '\n' ' ')"
+  export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 BENCH="$PY -m cupylab.bench"
 if [ "${INSTALLED:-0}" = 1 ]; then
   $PY -m pip install -q --no-deps --no-build-isolation "$REPO" > "$OUT/install.log" 2>&1
