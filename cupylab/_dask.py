@@ -45,6 +45,15 @@ def _rule(meta):
     return "torch" if (type(meta).__module__ or "").split(".", 1)[0] == "torch" else "numpy"
 
 
+def _refuse_out_stream(name, out, stream):
+    if out is not None:
+        raise TypeError(f"{name}: out= is not supported with Dask arrays (they are lazy graphs, "
+                        "never written in place); use the returned Dask array")
+    if stream is not None:
+        raise TypeError(f"{name}: stream= is not supported with Dask arrays: each chunk runs on "
+                        "its worker's current stream")
+
+
 def _chunk_call(fn, dtype, casting, *blocks):
     return fn(*blocks, dtype=dtype, casting=casting)
 
@@ -76,12 +85,7 @@ def elementwise(name, promo_op, fn, operands, names, out, dtype, casting, stream
     ValueError
         Shapes that do not broadcast.
     """
-    if out is not None:
-        raise TypeError(f"{name}: out= is not supported with Dask arrays (they are lazy graphs, "
-                        "never written in place); use the returned Dask array")
-    if stream is not None:
-        raise TypeError(f"{name}: stream= is not supported with Dask arrays: each chunk runs on "
-                        "its worker's current stream")
+    _refuse_out_stream(name, out, stream)
     import dask.array as da  # noqa: PLC0415 - only when a Dask array is seen
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
@@ -158,12 +162,7 @@ def rowwise(name, fn, arrays, axis, kwargs, out, stream, refuse=()):
     ValueError
         A split row axis with rechunking turned off; shapes that differ.
     """
-    if out is not None:
-        raise TypeError(f"{name}: out= is not supported with Dask arrays (they are lazy graphs, "
-                        "never written in place); use the returned Dask array")
-    if stream is not None:
-        raise TypeError(f"{name}: stream= is not supported with Dask arrays: each chunk runs on "
-                        "its worker's current stream")
+    _refuse_out_stream(name, out, stream)
     for pname, value in refuse:
         raise TypeError(f"{name}: {pname}={value!r} is not supported with Dask arrays")
     for k, v in kwargs.items():

@@ -32,14 +32,12 @@ class DType:
         ``(type code, bits)`` in DLPack.
     fmt : str
         ``struct`` format of one element (bit pattern for the 16-bit floats).
-    arithmetic : bool
-        Whether cupylab's arithmetic kernels accept it.
     """
 
-    __slots__ = ("name", "itemsize", "ctype", "kind", "typestr", "dlpack", "fmt", "arithmetic",
+    __slots__ = ("name", "itemsize", "ctype", "kind", "typestr", "dlpack", "fmt",
                  "_struct")
 
-    def __init__(self, name, itemsize, ctype, kind, typestr, dlpack, fmt, arithmetic):
+    def __init__(self, name, itemsize, ctype, kind, typestr, dlpack, fmt):
         self.name = name
         self.itemsize = itemsize
         self.ctype = ctype
@@ -47,7 +45,6 @@ class DType:
         self.typestr = typestr
         self.dlpack = dlpack
         self.fmt = fmt
-        self.arithmetic = arithmetic
         self._struct = struct.Struct("<" + fmt) if fmt else None
 
     def __repr__(self):
@@ -122,34 +119,30 @@ def _float_to_bf16_bits(v: float) -> int:
     return (u >> 16) & 0xFFFF
 
 
-def _mk(*args):
-    return DType(*args)
-
-
 #: Every dtype cupylab understands; the arithmetic operators take them all.
 DTYPES = {
     d.name: d
     for d in (
-        _mk("float16", 2, "cl::half_t", "f", "<f2", (2, 16), "H", True),
-        _mk("bfloat16", 2, "cl::bf16_t", "f", None, (4, 16), "H", True),
-        _mk("float32", 4, "float", "f", "<f4", (2, 32), "f", True),
-        _mk("float64", 8, "double", "f", "<f8", (2, 64), "d", True),
-        _mk("int32", 4, "int", "i", "<i4", (0, 32), "i", True),
-        _mk("int64", 8, "long long", "i", "<i8", (0, 64), "q", True),
-        _mk("bool", 1, "bool", "b", "|b1", (6, 8), "?", True),
-        _mk("int8", 1, "signed char", "i", "|i1", (0, 8), "b", True),
-        _mk("int16", 2, "short", "i", "<i2", (0, 16), "h", True),
-        _mk("uint8", 1, "unsigned char", "u", "|u1", (1, 8), "B", True),
-        _mk("uint16", 2, "unsigned short", "u", "<u2", (1, 16), "H", True),
-        _mk("uint32", 4, "unsigned int", "u", "<u4", (1, 32), "I", True),
-        _mk("uint64", 8, "unsigned long long", "u", "<u8", (1, 64), "Q", True),
-        _mk("complex64", 8, "cl::complex64_t", "c", "<c8", (5, 64), "8s", True),
-        _mk("complex128", 16, "cl::complex128_t", "c", "<c16", (5, 128), "16s", True),
+        DType("float16", 2, "cl::half_t", "f", "<f2", (2, 16), "H"),
+        DType("bfloat16", 2, "cl::bf16_t", "f", None, (4, 16), "H"),
+        DType("float32", 4, "float", "f", "<f4", (2, 32), "f"),
+        DType("float64", 8, "double", "f", "<f8", (2, 64), "d"),
+        DType("int32", 4, "int", "i", "<i4", (0, 32), "i"),
+        DType("int64", 8, "long long", "i", "<i8", (0, 64), "q"),
+        DType("bool", 1, "bool", "b", "|b1", (6, 8), "?"),
+        DType("int8", 1, "signed char", "i", "|i1", (0, 8), "b"),
+        DType("int16", 2, "short", "i", "<i2", (0, 16), "h"),
+        DType("uint8", 1, "unsigned char", "u", "|u1", (1, 8), "B"),
+        DType("uint16", 2, "unsigned short", "u", "<u2", (1, 16), "H"),
+        DType("uint32", 4, "unsigned int", "u", "<u4", (1, 32), "I"),
+        DType("uint64", 8, "unsigned long long", "u", "<u8", (1, 64), "Q"),
+        DType("complex64", 8, "cl::complex64_t", "c", "<c8", (5, 64), "8s"),
+        DType("complex128", 16, "cl::complex128_t", "c", "<c16", (5, 128), "16s"),
     )
 }
 
 #: The dtypes cupylab's arithmetic operators accept, in a stable order.
-ARITHMETIC = tuple(d for d in DTYPES.values() if d.arithmetic)
+ARITHMETIC = tuple(DTYPES.values())
 
 # -- casting (numpy.can_cast for these dtypes, with ml_dtypes' rules for bfloat16) ------------
 _KIND_ORDER = {"b": 0, "u": 1, "i": 2, "f": 3, "c": 4}

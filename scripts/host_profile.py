@@ -7,7 +7,8 @@ import time
 import torch
 
 import cupylab
-from cupylab.ops import elementwise as ew
+from cupylab.bench._timing import torch_events_ms
+from cupylab.ops import _fast, elementwise as ew
 
 N = 3000
 
@@ -28,18 +29,7 @@ def bench(label, f, n=N):
 def gpu_us(f, reps=9, inner=20):
     """Median GPU time of one call of ``f`` in µs: ``reps`` batches of ``inner`` calls timed
     with CUDA events on torch's current stream, after one warm-up call."""
-    f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(inner):
-            f()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / inner)
-    return sorted(ts)[reps // 2]
+    return torch_events_ms(torch, f, inner, reps) * 1e3
 
 
 x = torch.randn(1024, device="cuda")

@@ -210,3 +210,23 @@ class Timer:
             block(r)
             samples.append((time.perf_counter() - t0) * 1e6 / k)
         return Stats(samples, k, "wall")
+
+
+def torch_events_ms(torch, fn, n, reps=5):
+    """Median milliseconds per call of ``fn``: ``reps`` batches of ``n`` back-to-back calls
+    between two torch CUDA events on torch's current stream, after one warm-up call. No hold
+    kernel, so only for calls whose GPU time is not below their host time (list-shaped
+    optimizer steps, large copies) or where the host gaps are part of what is measured."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / n)
+    ts.sort()
+    return ts[len(ts) // 2] if len(ts) % 2 else (ts[len(ts) // 2 - 1] + ts[len(ts) // 2]) / 2

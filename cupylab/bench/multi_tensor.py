@@ -31,6 +31,8 @@ import json
 import statistics
 import time
 
+from . import _timing
+
 LLAMA_LAYERS = 16
 
 
@@ -56,19 +58,7 @@ def _wall(torch, fn, n, reps=5):
     return statistics.median(ts)
 
 
-def _events(torch, fn, n, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / n)
-    return statistics.median(ts)
+_events = _timing.torch_events_ms
 
 
 def _params(torch, shapes, seed=0):

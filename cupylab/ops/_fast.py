@@ -55,7 +55,7 @@ def _dtype(op, fdt):
         info = ((d, _kernel(op, d, "vec_arrays"), _kernel(op, d, "vec"),
                  _kernel(op, d, "scalar"), 16 // d.itemsize, op == _OP_ADD_MUL, d.itemsize,
                  d.scalar_bits(0))
-                if d.arithmetic and _same_ok(op, d) and not torch_complex else None)
+                if _same_ok(op, d) and not torch_complex else None)
     except TypeError:
         info = None
     _kinfo[op][fdt] = info
