@@ -138,11 +138,18 @@ class Kernel:
         """The ``CUfunction`` handle on ``device`` (compiling/loading on first use)."""
         f = self._fns.get(device)
         if f is None:
+            _runtime.bind_thread_context()  # the module load is a driver call, like the launch
             mod = _compile.get_module(self.program, device)
             f = self._fns.setdefault(device, mod.function(self.name_expression).ptr)
         return f
 
     def _buffers(self):
+        """This thread's parameter buffer, made on the thread's first launch of this kernel.
+        That first launch also binds the current device's primary context to the thread:
+        ``cuLaunchKernel`` is a driver call and needs one, which a thread that has made no
+        runtime call yet (a Dask or thread-pool worker whose arrays came from a memory pool)
+        does not have."""
+        _runtime.bind_thread_context()
         buf = ctypes.create_string_buffer(self._size)
         base = ctypes.addressof(buf)
         params = (ctypes.c_void_p * max(len(self._offsets), 1))(*[base + o for o in self._offsets])

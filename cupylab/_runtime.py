@@ -69,6 +69,22 @@ def current_device() -> int:
     return cupy().cuda.runtime.getDevice()
 
 
+def bind_thread_context() -> None:
+    """Make the current device's primary context current on this thread.
+
+    Driver calls (``cuLaunchKernel``, module loads) need a current context; the runtime API
+    binds one lazily, on a thread's first runtime call that needs it. A worker thread that
+    only reads array attributes and takes memory from a pool may never make such a call, and
+    its first launch then fails with ``CUDA_ERROR_INVALID_CONTEXT``. ``cudaSetDevice``
+    initialises and binds the primary context (CUDA 12 and later); called once per thread and
+    kernel, from the first launch. Nothing to do before :func:`cupy` has found a GPU.
+    """
+    cp = _cupy
+    if cp is not None:
+        rt = cp.cuda.runtime
+        rt.setDevice(rt.getDevice())
+
+
 def pointer_device(ptr: int) -> int:
     """The device that owns a device pointer (for CAI producers, which do not say)."""
     cp = cupy()

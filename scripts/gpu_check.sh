@@ -86,7 +86,9 @@ if has sanitizer && command -v "$SAN" >/dev/null 2>&1; then
     test_rowwise_gpu.py
   san row_race racecheck '(softmax_forward and bfloat16 and (199-33 or 199-1000 or 2-262144 or 60-4097)) or (norms_forward and float32 and same and (60-4097 or 5-65537)) or (backward_analytic and float32 and 30-4097) or (cross_entropy and bfloat16 and 0.1 and 2-128256)' \
     test_rowwise_gpu.py
-  san mt_mem memcheck "not torch and not large and not 5000 and not jax and not mixed and not reallocated and not 300" \
+  # not numba: numba-cuda's driver bindings probe entry points this driver lacks, which
+  # memcheck reports as API errors (cuGetProcAddress_v2) that are not cupylab's
+  san mt_mem memcheck "not torch and not large and not 5000 and not jax and not mixed and not reallocated and not 300 and not numba" \
     test_multi_tensor_gpu.py
   san mt_race racecheck "norms_and_clip and cupy and float32" test_multi_tensor_gpu.py
   say "sanitizer: ${#san_pids[@]} jobs started  [$(( $(date +%s) - t0 )) s]"

@@ -56,6 +56,18 @@ def numpy_answer(uf, *args, **kw):
         return e
 
 
+def bf16_weak(want, ha, s):
+    """NumPy's answer in the dtype ``numpy.result_type`` gives, for a bfloat16 array with a
+    Python scalar: the rule cupylab follows (README, differences from NumPy). Some ml_dtypes
+    versions' ufunc loops compute bfloat16 with a Python float in float32 instead."""
+    if (isinstance(want, np.ndarray) and ha.dtype == npdt("bfloat16")
+            and type(s) in (bool, int, float, complex)):
+        rt = np.result_type(ha, s)
+        if want.dtype != rt:
+            return want.astype(rt)
+    return want
+
+
 def check(got, want, where):
     """Same dtype and values as NumPy's answer."""
     g = cupy_to_host(got)
@@ -109,13 +121,13 @@ def test_scalars_on_either_side(op):
         ha = host(rng, a, 257)
         da = dev(ha)
         for s in SCALARS:
-            want_l = numpy_answer(UFUNCS[op], ha, s)
+            want_l = bf16_weak(numpy_answer(UFUNCS[op], ha, s), ha, s)
             if isinstance(want_l, Exception) or not isinstance(want_l, np.ndarray):
                 with pytest.raises((TypeError, OverflowError)):
                     getattr(cupylab, op)(da, s)
             else:
                 check(getattr(cupylab, op)(da, s), want_l, f"{op}({a}, {s!r})")
-            want_r = numpy_answer(UFUNCS[op], s, ha)
+            want_r = bf16_weak(numpy_answer(UFUNCS[op], s, ha), ha, s)
             if isinstance(want_r, Exception):
                 with pytest.raises((TypeError, OverflowError)):
                     getattr(cupylab, op)(s, da)

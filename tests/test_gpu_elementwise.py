@@ -155,7 +155,7 @@ def test_scalars_on_either_side(dtype):
     s = 3 if dtype in INTS else 1.5
     for op, ref in (("add", lambda a: a + s), ("subtract", lambda a: s - a),
                     ("multiply", lambda a: a * s)):
-        args = (x, s) if op != "sub" else (s, x)
+        args = (x, s) if op != "subtract" else (s, x)
         got = to_f64(to_host(getattr(cupylab, op)(*args)))
         rtol, atol = reference.tolerance(dtype)
         np.testing.assert_allclose(got, ref(to_f64(h)), rtol=rtol, atol=atol)
@@ -407,8 +407,8 @@ def test_cupy_graph_capture():
         cupylab.mul(x, y, out=z)
         cupylab.add(z, 1.0, out=z)
         g = s.end_capture()
-    x[...] = cp.random.rand(5003, dtype=cp.float32)
-    s.synchronize()
+    x[...] = cp.random.rand(5003, dtype=cp.float32)  # on the null stream, which s does not wait for
+    cp.cuda.Device().synchronize()
     g.launch(s)
     s.synchronize()
     np.testing.assert_allclose(cp.asnumpy(z), cp.asnumpy(x) * cp.asnumpy(y) + 1, rtol=1e-6)
@@ -436,6 +436,44 @@ print(_compile.stats["compiled"], res, errs)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True).stdout.strip()
     assert out == "1 [999000.0, 999000.0] []", out
+
+
+def test_first_launch_from_a_fresh_thread():
+    """A thread whose first CUDA work is a cupylab launch into preallocated memory (no runtime
+    call has bound a context to it: what a Dask worker thread sees) launches correctly, for
+    the operators, their lean path and users' kernels."""
+    import threading
+
+    import cupy as cp
+
+    x = cp.arange(4099, dtype=cp.float32)
+    z = cp.empty_like(x)
+    k = cupylab.load_kernels(source=
+        'extern "C" __global__ void twice(const float* a, float* b, int n) {'
+        ' int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) b[i] = 2 * a[i]; }')["twice"]
+    w = cp.empty_like(x)
+    cupylab.add(x, x, out=z)  # compiled and loaded here; the threads only launch
+    k(x, w, x.size, grid=17, block=256)
+    cp.cuda.Device().synchronize()
+    z.fill(0)
+    w.fill(0)
+    cp.cuda.Device().synchronize()
+    errs = []
+
+    def work(f):
+        try:
+            f()
+            cp.cuda.get_current_stream().synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errs.append(repr(e))
+
+    for f in (lambda: cupylab.add(x, x, out=z), lambda: k(x, w, x.size, grid=17, block=256)):
+        t = threading.Thread(target=work, args=(f,))
+        t.start()
+        t.join()
+    assert not errs, errs
+    np.testing.assert_array_equal(cp.asnumpy(z), 2 * np.arange(4099, dtype=np.float32))
+    np.testing.assert_array_equal(cp.asnumpy(w), 2 * np.arange(4099, dtype=np.float32))
 
 
 def test_new_process_loads_from_disk_cache(tmp_path):

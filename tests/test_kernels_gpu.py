@@ -323,7 +323,8 @@ def test_graph_capture(cp, vadd):
     s = cp.cuda.Stream(non_blocking=True)
     vadd.launch_1d(N, a, a, c, N, stream=s)  # compile/load outside the capture
     s.synchronize()
-    c.fill(0)
+    c.fill(0)  # on the null stream, which s (non-blocking) does not wait for
+    cp.cuda.Device().synchronize()
     s.begin_capture()
     vadd.launch_1d(N, a, a, c, N, stream=s)
     g = s.end_capture()

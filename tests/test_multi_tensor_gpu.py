@@ -196,11 +196,11 @@ def test_cache_hits_and_no_leak():
     h0 = P.stats["hits"]
     foreach.add_(xs, 1.0)
     foreach.add_(xs, 1.0)
-    assert P.stats["hits"] == h0 + 1
+    assert P.stats["hits"] == h0 + 1, (P.stats, h0)
     # the cache holds no reference to the arrays ...
     holders = [type(r).__name__ for x in xs for r in gc.get_referrers(x)
                if isinstance(r, (P.Plan, P.Group)) or r is P._cache]
-    assert not holders
+    assert not holders, holders
     refs = [weakref.ref(x) for x in xs]
     del xs
     gc.collect()
@@ -208,7 +208,7 @@ def test_cache_hits_and_no_leak():
     # ... so they die, and their entry goes with them
     alive = [r() for r in refs if r() is not None]
     assert not alive, [type(o).__name__ for a in alive for o in gc.get_referrers(a)]
-    assert P.cache_len() == 0
+    assert P.cache_len() == 0, P.cache_len()
     for _ in range(3 * P.CACHE_SIZE):
         ys = [cp.ones(3, cp.float32)]
         foreach.add_(ys, 1.0)

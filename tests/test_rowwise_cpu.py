@@ -141,3 +141,14 @@ def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
     assert n == 602
+
+
+def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():
+    from cupylab._registry import OPS
+    from cupylab.bench._cases import row_shape
+
+    assert row_shape(OPS["softmax"], (1 << 26,)) == (1 << 14, 4096)
+    assert row_shape(OPS["softmax_backward"], (1 << 20,)) == (256, 4096)
+    assert row_shape(OPS["softmax"], (8192, 8192)) == (8192, 8192)
+    assert row_shape(OPS["rms_norm"], (1000,)) == (1000,)  # not a multiple: one row, as given
+    assert row_shape(OPS["add"], (1 << 26,)) == (1 << 26,)

@@ -107,7 +107,7 @@ def test_torch_rule():
         torch.get_default_dtype()).split(".")[1]
     zero_d = (("a", "float32", False), ("a", "float64", True))  # 0-d tensors: category only
     assert _promotion.resolve("torch", "add", zero_d)[1].name == "float32"
-    with pytest.raises(TypeError, match="bool tensors is not supported"):
+    with pytest.raises(TypeError, match="with a bool tensor is not supported"):
         _promotion.resolve("torch", "subtract", (("a", "bool", False), ("a", "bool", False)))
 
 

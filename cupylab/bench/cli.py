@@ -327,7 +327,9 @@ def _run_options(f):
                           f"[default: {','.join(QUICK_DTYPES)}]"),
         click.option("-s", "--size", "size", multiple=True, metavar="SIZE",
                      help="element count(s): 1048576, 2^20, 4096x4096, 2^10..2^28, 2^10..2^28:2 "
-                          f"(every second power) [default: {','.join(QUICK_SIZES)}]"),
+                          "(every second power); for row-wise operators a size n that is a "
+                          "multiple of 4096 means n/4096 rows of 4096 "
+                          f"[default: {','.join(QUICK_SIZES)}]"),
         click.option("-f", "--framework", type=click.Choice(["auto", "torch", "cupy", "jax"]),
                      default=None, help="whose arrays the inputs are [default: torch if it can "
                                         "use the GPU, else cupy]"),
