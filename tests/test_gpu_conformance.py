@@ -57,14 +57,12 @@ def numpy_answer(uf, *args, **kw):
 
 
 def bf16_weak(want, ha, s):
-    """NumPy's answer in the dtype ``numpy.result_type`` gives, for a bfloat16 array with a
-    Python scalar: the rule cupylab follows (README, differences from NumPy). Some ml_dtypes
-    versions' ufunc loops compute bfloat16 with a Python float in float32 instead."""
+    """NumPy's answer in bfloat16 for a bfloat16 array with a Python bool, int or float: NEP
+    50, which cupylab follows for bfloat16 whatever the ml_dtypes version (README, differences
+    from NumPy); older ml_dtypes versions' ufunc loops give float32 there."""
     if (isinstance(want, np.ndarray) and ha.dtype == npdt("bfloat16")
-            and type(s) in (bool, int, float, complex)):
-        rt = np.result_type(ha, s)
-        if want.dtype != rt:
-            return want.astype(rt)
+            and type(s) in (bool, int, float)):
+        return want.astype(ha.dtype)
     return want
 
 

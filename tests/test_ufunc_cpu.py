@@ -461,3 +461,16 @@ def test_lean_cupy_path_takes_mixed_dtypes(monkeypatch):
     b = fm.array((10,), np.bool_)
     assert cupylab.subtract(b, b) == "general"  # refused: the general path raises
     assert general == ["add", "add", "subtract"]
+
+
+def test_bfloat16_with_python_scalars_stays_bfloat16():
+    pytest.importorskip("ml_dtypes")
+    bf = ("a", "bfloat16", False)
+    for w in ("bool", "int", "float"):
+        for op in ("add", "subtract", "multiply", "true_divide", "floor_divide"):
+            if op == "subtract" and w == "bool":
+                continue
+            assert _promotion.resolve("numpy", op, (bf, ("w", w)))[1].name == "bfloat16"
+            assert _promotion.resolve("numpy", op, (("w", w), bf))[1].name == "bfloat16"
+    assert _promotion.resolve("numpy", "add", (bf, ("w", "complex")))[1].name == "complex64"
+    assert _promotion.resolve("numpy", "add", (bf, ("a", "float32", False)))[1].name == "float32"
