@@ -8,7 +8,7 @@ Every table in docs/perf.md sits between two marker comments::
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
 (``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
-``mixed.json``, ``rowwise.json``) and the
+``mixed.json``, ``rowwise.json``), the Dask example's ``dask.json`` and the
 command file, and leaves every other line (the prose) alone. The per-case tables are formatted
 by :mod:`cupylab.bench._report`, the same code that prints them on the command line.
 
@@ -22,6 +22,7 @@ Exit codes: 0 up to date (or rewritten), 1 stale (``--check``), 2 a marker or fi
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import statistics
@@ -220,15 +221,35 @@ def t_graphs(data):
     return _overhead(data, graphs=True)
 
 
+def t_dask(data):
+    d = data[DASK]
+    rows = [[r["what"], f"{r['ms']:.2f}", f"{r['gbps_of_x']:.0f}"] for r in d["results"]]
+    head = (f"`{d['command']}` on {d['gpu']} (cupylab {d['versions']['cupylab']}, CuPy "
+            f"{d['versions']['cupy']}, Dask {d['versions']['dask']}): {d['rows']} x {d['cols']} "
+            f"float32 ({d['gb']:.2f} GB) in chunks of {d['chunk_rows']} rows, cluster "
+            f"`{d['cluster']}`, median of {d['repeats']}, wall clock; Dask's result against "
+            f"a float64 reference: relative difference {d['relative_difference']:.1e}.")
+    return [head, ""] + _table(["what", "ms", "GB/s of x"], rows, [False, True, True])
+
+
+DASK = "dask.json"  # scripts/examples/dask_chain.py --json (its own schema)
+
+
 TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "fusion": t_fusion,
           "repeats": t_repeats, "host": t_host, "graphs": t_graphs, "mixed": t_mixed,
-          "rowwise": t_rowwise}
+          "rowwise": t_rowwise, "dask": t_dask}
 
 
 # ----------------------------------------------------------------------------- the page
 def load_data(data_dir: Path) -> dict:
     data = {}
+    try:
+        data[DASK] = json.loads((data_dir / DASK).read_text(encoding="utf-8"))
+        if data[DASK].get("schema") != "cupylab-dask-example/1":
+            raise ValueError("not schema cupylab-dask-example/1")
+    except (OSError, ValueError) as e:
+        raise DocError(f"{data_dir / DASK}: {e}") from None
     for name in FILES:
         try:
             data[name] = _report.load(data_dir / name)

@@ -61,6 +61,8 @@ def main(argv=None):
     p.add_argument("--chunk-rows", type=int, default=16384)
     p.add_argument("--cluster", choices=("local", "cuda", "threads"), default="local")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", metavar="PATH", help="also write the table as JSON (schema "
+                   "cupylab-dask-example/1; docs/perf/dask.json is one)")
     a = p.parse_args(argv)
 
     client = None
@@ -98,11 +100,30 @@ def main(argv=None):
     print(f"{a.rows} x {a.cols} float32 ({gb:.2f} GB) in chunks of {a.chunk_rows} rows, "
           f"cluster: {a.cluster}; median of {a.repeats}, wall clock")
     print(f"{'what':34} {'ms':>9} {'GB/s of x':>10}")
+    table = []
     for name, f in rows:
         t = timed(f, a.repeats)
         print(f"{name:34} {t * 1e3:9.2f} {gb / t:10.0f}")
+        table.append({"what": name, "ms": t * 1e3, "gbps_of_x": gb / t})
     if client is not None:
         client.close()
+    if a.json:
+        import json
+        import sys
+
+        import dask
+
+        doc = {"schema": "cupylab-dask-example/1",
+               "command": "python scripts/examples/dask_chain.py " + " ".join(
+                   sys.argv[1:] if argv is None else argv),
+               "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+               "versions": {"cupylab": cupylab.__version__, "cupy": cp.__version__,
+                            "dask": dask.__version__},
+               "rows": a.rows, "cols": a.cols, "chunk_rows": a.chunk_rows,
+               "cluster": a.cluster, "repeats": a.repeats, "gb": gb,
+               "relative_difference": rel, "results": table}
+        with open(a.json, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)
 
 
 if __name__ == "__main__":
