@@ -181,12 +181,7 @@ def rowwise(name, fn, arrays, axis, kwargs, out, stream, refuse=()):
     axis %= nd
     ops = []
     for pname, a in arrays:
-        if not is_dask(a):
-            if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-                raise TypeError(f"{name}: {pname} must be a Dask array or a GPU array (got "
-                                f"{type(a).__module__}.{type(a).__qualname__})")
-            a = da.from_array(a, chunks=tuple(a.shape), asarray=False,
-                              meta=meta_from_array(a, ndim=len(a.shape)))
+        a = _as_dask(name, pname, a)
         if a.shape != lead.shape:
             raise ValueError(f"{name}: {pname} has shape {a.shape}, expected {lead.shape}")
         ops.append(_whole_rows(name, pname, a, axis))
@@ -199,3 +194,65 @@ def _rows_call(fn, axis, kwargs, *blocks):
     if axis != blocks[0].ndim - 1:
         kwargs = dict(kwargs, axis=axis)
     return fn(*blocks, **kwargs)
+
+
+def cross_entropy(fn, logits, target, ignore_index, label_smoothing, reduction, refuse, stream):
+    """The lazy Dask array of ``fn`` (:func:`cupylab.cross_entropy`) on ``logits`` / ``target``
+    (either or both Dask arrays): per chunk of rows the per-row losses (``reduction="none"``,
+    the class axis made whole as in :func:`rowwise`, the target's row chunks aligned with the
+    logits'), then Dask's own sum for ``"sum"``, and that sum divided by Dask's count of the
+    rows not ignored for ``"mean"``. ``refuse``: ``(parameter, value)`` pairs that cannot be
+    honoured on Dask arrays (the gradient and logsumexp outputs).
+    """
+    name = "cross_entropy"
+    _refuse_out_stream(name, None, stream)
+    for pname, value in refuse:
+        raise TypeError(f"{name}: {pname}={value!r} is not supported with Dask arrays")
+    import dask.array as da  # noqa: PLC0415
+    from dask.array.utils import meta_from_array  # noqa: PLC0415
+
+    x, t = (_as_dask(name, p, a) for p, a in (("logits", logits), ("target", target)))
+    nd = x.ndim
+    if nd == 0:
+        raise ValueError(f"{name}: logits must have at least one dimension (got a 0-d array)")
+    if t.shape != x.shape[:-1]:
+        raise ValueError(f"{name}: target must have shape {x.shape[:-1]} (logits.shape[:-1]); "
+                         f"got {t.shape}")
+    x = _whole_rows(name, "logits", x, nd - 1)
+    t = t.rechunk(x.chunks[:-1])
+    acc = x.dtype if x.dtype.itemsize == 8 else _np_float32()
+    rows = tuple(range(nd - 1))
+    loss = da.blockwise(functools.partial(_ce_call, fn, ignore_index, label_smoothing), rows,
+                        x, rows + (nd - 1,), t, rows, dtype=acc, concatenate=True,
+                        meta=meta_from_array(x._meta, ndim=nd - 1, dtype=acc))
+    if reduction == "none":
+        return loss
+    total = loss.sum(dtype=acc)
+    if reduction == "sum":
+        return total
+    return (total / (t != ignore_index).sum()).astype(acc)
+
+
+def _ce_call(fn, ignore_index, label_smoothing, logits, target):
+    return fn(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+              reduction="none")
+
+
+def _as_dask(name, pname, a):
+    """``a`` as a Dask array: itself, or a one-chunk Dask array of a GPU array."""
+    if is_dask(a):
+        return a
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        raise TypeError(f"{name}: {pname} must be a Dask array or a GPU array (got "
+                        f"{type(a).__module__}.{type(a).__qualname__})")
+    import dask.array as da  # noqa: PLC0415
+    from dask.array.utils import meta_from_array  # noqa: PLC0415
+
+    return da.from_array(a, chunks=tuple(a.shape), asarray=False,
+                         meta=meta_from_array(a, ndim=len(a.shape)))
+
+
+def _np_float32():
+    import numpy as np  # noqa: PLC0415
+
+    return np.dtype(np.float32)

@@ -180,8 +180,10 @@ def test_rowwise_refusals():
         cupylab.rms_norm(x, return_stats=True)
     with pytest.raises(TypeError, match="rms_norm: weight must be a GPU array"):
         cupylab.rms_norm(x, chunked(np.ones(6, np.float32), 6))
-    with pytest.raises(TypeError, match="add_rms_norm: Dask arrays are not supported"):
-        cupylab.add_rms_norm(x, x, None)
+    with pytest.raises(TypeError, match="add_rms_norm: inplace=True is not supported"):
+        cupylab.add_rms_norm(x, x, None, inplace=True)
+    with pytest.raises(TypeError, match="cross_entropy: return_grad=True is not supported"):
+        cupylab.cross_entropy(x, chunked(np.zeros(8, np.int64), 4), return_grad=True)
     with pytest.raises(TypeError, match="softmax: out= is not supported"):
         cupylab.softmax(x, out=x)
     with pytest.raises(ValueError, match=r"softmax_backward: dy has shape \(8, 5\)"):
@@ -190,5 +192,69 @@ def test_rowwise_refusals():
 
 def test_operators_without_dask_support_say_so():
     x = chunked(np.ones((4, 6), np.float32), (2, 3))
-    with pytest.raises(TypeError, match="logits is a Dask array, which this operator does not"):
-        cupylab.cross_entropy(x, chunked(np.zeros(4, np.int64), 2))
+    with pytest.raises(TypeError, match="dy is a Dask array, which this operator does not"):
+        cupylab.rms_norm_backward(x, x, None, chunked(np.ones(4, np.float32), 2))
+
+
+def test_add_rms_norm_returns_y_and_h(numpy_chunks, numpy_rows):
+    rng = np.random.default_rng(5)
+    a, r = rng.standard_normal((30, 24)), rng.standard_normal((30, 24))
+    w = np.linspace(0.5, 2, 24)
+    y, h = cupylab.add_rms_norm(chunked(a, (7, 12)), chunked(r, (10, 24)), w, eps=1e-6)
+    assert type(y._meta) is Chunk and type(h._meta) is Chunk
+    yv, hv = dask.compute(y, h, scheduler="sync")
+    np.testing.assert_allclose(np.asarray(hv), a + r, rtol=1e-12)
+    ref = (a + r) / np.sqrt(((a + r) ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(np.asarray(yv), ref, rtol=1e-12)
+    with pytest.raises(TypeError, match="add_rms_norm: x and residual must have one dtype"):
+        cupylab.add_rms_norm(chunked(a, 7), chunked(r.astype(np.float32), 7), w)
+
+
+@pytest.fixture
+def numpy_ce(monkeypatch):
+    """Each chunk's cross-entropy done by NumPy (per-row losses, as the GPU call returns)."""
+    seen = []
+
+    def ce_call(fn, ignore_index, label_smoothing, logits, target):
+        seen.append((logits.shape, target.shape))
+        x, t = np.asarray(logits, np.float64), np.asarray(target)
+        lse = np.log(np.exp(x).sum(-1))
+        pick = np.take_along_axis(x, np.clip(t, 0, x.shape[-1] - 1)[..., None], -1)[..., 0]
+        s = label_smoothing
+        loss = (1 - s) * (lse - pick) + s * (lse - x.mean(-1))
+        return np.where(t == ignore_index, 0.0, loss).astype(np.float32).view(Chunk)
+
+    monkeypatch.setattr(_dask, "_ce_call", ce_call)
+    return seen
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_per_chunk_then_dask_reductions(numpy_ce, reduction):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((4, 25, 33)).astype(np.float32)
+    t = rng.integers(0, 33, (4, 25))
+    t[0, :7] = -100
+    got = cupylab.cross_entropy(chunked(x, (2, 10, 11)), chunked(t, (4, 5)), reduction=reduction,
+                                label_smoothing=0.1)
+    assert got.dtype == np.float32
+    assert got.shape == ((4, 25) if reduction == "none" else ())
+    if reduction == "none":  # (Dask's own reductions give a NumPy subclass a NumPy meta)
+        assert type(got._meta) is Chunk
+    x = x.astype(np.float64)
+    lse = np.log(np.exp(x).sum(-1))
+    row = 0.9 * (lse - np.take_along_axis(x, t.clip(0)[..., None], -1)[..., 0]) + 0.1 * (
+        lse - x.mean(-1))
+    row[t == -100] = 0
+    want = {"none": row, "sum": row.sum(), "mean": row.sum() / (t != -100).sum()}[reduction]
+    np.testing.assert_allclose(np.asarray(got.compute(scheduler="sync")), want, rtol=1e-5)
+    assert all(xs[-1] == 33 and xs[:-1] == ts for xs, ts in numpy_ce)  # whole rows, aligned
+
+
+def test_cross_entropy_dask_errors():
+    x = chunked(np.ones((4, 6), np.float32), (2, 3))
+    with pytest.raises(ValueError, match=r"cross_entropy: target must have shape \(4,\)"):
+        cupylab.cross_entropy(x, chunked(np.zeros(5, np.int64), 5))
+    with pytest.raises(TypeError, match="cross_entropy: return_lse=True is not supported"):
+        cupylab.cross_entropy(x, chunked(np.zeros(4, np.int64), 2), return_lse=True)
+    with pytest.raises(TypeError, match="cross_entropy: stream= is not supported"):
+        cupylab.cross_entropy(x, chunked(np.zeros(4, np.int64), 2), stream=0)

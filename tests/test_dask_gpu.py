@@ -42,6 +42,27 @@ def test_mixed_dtypes_and_scalars_on_chunks():
     cp.testing.assert_allclose(got, a / 4)
 
 
+def test_add_rms_norm_and_cross_entropy_on_chunks():
+    a, b, w = _data((1000, 257))
+    r = cp.random.default_rng(12).standard_normal(a.shape, dtype=cp.float32)
+    x = da.from_array(a, chunks=(300, 100), asarray=False)
+    y, h = cupylab.add_rms_norm(x, da.from_array(r, chunks=(250, 257), asarray=False), w)
+    y, h = da.compute(y, h, scheduler="threads")
+    y1, h1 = cupylab.add_rms_norm(a, r, w)
+    cp.testing.assert_allclose(h, h1, rtol=1e-6)
+    cp.testing.assert_allclose(y, y1, rtol=1e-5, atol=1e-5)
+    t = cp.random.default_rng(13).integers(0, 257, 1000).astype(cp.int64)
+    t[::7] = -100
+    td = da.from_array(t, chunks=400, asarray=False)
+    for red in ("mean", "sum", "none"):
+        got = cupylab.cross_entropy(x, td, reduction=red, label_smoothing=0.1)
+        assert isinstance(got._meta, cp.ndarray)
+        got = got.compute(scheduler="threads")
+        assert isinstance(got, cp.ndarray) and got.dtype == cp.float32
+        cp.testing.assert_allclose(got, cupylab.cross_entropy(a, t, reduction=red,
+                                                              label_smoothing=0.1), rtol=1e-5)
+
+
 def test_local_cluster():
     distributed = pytest.importorskip("distributed")
     a, b, w = _data((512, 128))

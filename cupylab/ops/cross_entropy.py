@@ -2,6 +2,7 @@
 pass (kernels in ``cuda_src/rowwise.cu``: the row kernels with ``OP_CE`` and ``ce_aux``)."""
 from __future__ import annotations
 
+from .. import _dask
 from . import _rowcore as rc
 
 __all__ = ["cross_entropy"]
@@ -71,6 +72,11 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"{op}: ignore_index must be an int (got {ignore_index!r})")
     return_grad = return_grad or grad_out is not None
+    if _dask.is_dask(logits) or _dask.is_dask(target):
+        refuse = [(k, v) for k, v in (("return_grad", return_grad), ("return_lse", return_lse))
+                  if v]
+        return _dask.cross_entropy(cross_entropy, logits, target, ignore_index,
+                                   label_smoothing, reduction, refuse, stream)
     c = rc.gather(op, {"logits": logits, "target": target, "grad_out": grad_out}, stream)
     xv, tv = c.views["logits"], c.views["target"]
     rc.check_float(op, "logits", xv)

@@ -124,11 +124,21 @@ _doc(log_softmax, """``x - max - log(sum(exp(x - max)))`` along ``axis``.
 
 def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, stream):
     if _dask.is_dask(x) or _dask.is_dask(residual):
-        if residual is not None:
-            raise TypeError(f"{opname}: Dask arrays are not supported (it returns two arrays); "
-                            "on Dask arrays compute h = cupylab.add(x, residual), then "
-                            "cupylab.rms_norm(h, weight, eps)")
         kw = {"eps": eps}
+        if residual is not None:  # add_rms_norm: h by the elementwise add, then rms_norm of h
+            if inplace:
+                raise TypeError(f"{opname}: inplace=True is not supported with Dask arrays "
+                                "(they are immutable); use the returned h")
+            if getattr(x, "dtype", None) != getattr(residual, "dtype", None):
+                raise TypeError(f"{opname}: x and residual must have one dtype (got "
+                                f"{getattr(x, 'dtype', None)} and "
+                                f"{getattr(residual, 'dtype', None)})")
+            from .elementwise import add  # noqa: PLC0415
+
+            h = add(x, residual)
+            if weight is not None:
+                kw["weight"] = weight
+            return _dask.rowwise(opname, rms_norm, [("x", h)], -1, kw, out, stream), h
         if weight is not None:
             kw["weight"] = weight
         if bias is not None:
