@@ -164,9 +164,27 @@ def _normalized_shape(fn, ns):
     return ns
 
 
-def _flatten(fn, x, normalized_shape, vecs):
-    """``x`` with the ``normalized_shape`` dims flattened into one (a view when possible) and
-    the weight/bias tensors ``vecs`` (``(name, tensor or None)``) flattened to match."""
+def _one_dim(ns):
+    """The size when ``normalized_shape`` is one int (or a 1-sequence of one), else None."""
+    t = type(ns)
+    if t is int:
+        return ns
+    if (t is tuple or t is torch.Size or t is list) and len(ns) == 1 and type(ns[0]) is int:
+        return ns[0]
+    return None
+
+
+def _vec_ok(v, n):
+    return v is None or (isinstance(v, _Tensor) and v.dim() == 1 and v.shape[0] == n)
+
+
+def _flatten(fn, x, normalized_shape, weight, bias=None):
+    """``(x, weight, bias)`` with the ``normalized_shape`` dims of ``x`` flattened into one (a
+    view when possible) and the weight and bias (None or tensors) flattened to match."""
+    n = _one_dim(normalized_shape)
+    if (n is not None and isinstance(x, _Tensor) and x.dim() >= 1 and x.shape[-1] == n
+            and _vec_ok(weight, n) and _vec_ok(bias, n)):
+        return x, weight, bias  # the common case, checked cheaply
     _tensor(fn, "x", x)
     ns = _normalized_shape(fn, normalized_shape)
     k = len(ns)
@@ -175,7 +193,7 @@ def _flatten(fn, x, normalized_shape, vecs):
         raise ValueError(f"{_name(fn)}: normalized_shape {ns} must match the trailing "
                          f"dimensions of x (shape {tuple(x.shape)})")
     out = []
-    for param, v in vecs:
+    for param, v in (("weight", weight), ("bias", bias)):
         if v is not None:
             _tensor(fn, param, v)
             if v.shape != ns:
@@ -186,10 +204,12 @@ def _flatten(fn, x, normalized_shape, vecs):
         out.append(v)
     if k != 1:
         x = x.reshape(*x.shape[:nd - k], math.prod(ns))
-    return x, out
+    return x, out[0], out[1]
 
 
 def _eps(fn, eps, x):
+    if type(eps) is float and eps >= 0:
+        return eps
     if eps is None:
         if not x.is_floating_point():
             raise TypeError(f"{_name(fn)}: x must be a floating-point tensor (got {x.dtype})")
@@ -231,7 +251,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None):
         ``normalized_shape`` not matching ``x``'s trailing dims, a weight of another shape, a
         negative ``eps``.
     """
-    x2, (w2,) = _flatten("rms_norm", x, normalized_shape, (("weight", weight),))
+    x2, w2, _ = _flatten("rms_norm", x, normalized_shape, weight)
     eps = _eps("rms_norm", eps, x)
     if _compiling():
         y = torch.ops.cupylab.rms_norm(x2, w2, eps)[0]
@@ -267,8 +287,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     TypeError, ValueError
         As :func:`rms_norm` (also for ``bias``).
     """
-    x2, (w2, b2) = _flatten("layer_norm", x, normalized_shape,
-                            (("weight", weight), ("bias", bias)))
+    x2, w2, b2 = _flatten("layer_norm", x, normalized_shape, weight, bias)
     eps = _eps("layer_norm", eps, x)
     if _compiling():
         y = torch.ops.cupylab.layer_norm(x2, w2, b2, eps)[0]
