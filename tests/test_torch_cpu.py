@@ -12,7 +12,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import cupylab  # noqa: E402
 from cupylab.torch import _autograd, _kernels, _library  # noqa: E402
 from cupylab.torch import functional as F  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402

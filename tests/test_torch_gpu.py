@@ -132,7 +132,8 @@ def test_softmax_vs_torch(dtype, shape, dim):
 
 @pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32),
                                           (torch.bfloat16, torch.bfloat16),
-                                          (torch.bfloat16, torch.float32)])
+                                          (torch.bfloat16, torch.float32),
+                                          (torch.float16, torch.float32)])
 @pytest.mark.parametrize("shape,ns", [((64, 4096), (4096,)), ((3, 5, 33), (33,)),
                                       ((6, 4, 96), (4, 96))])
 def test_norms_vs_torch(dtype, wdtype, shape, ns):

@@ -13,7 +13,6 @@ Row-wise tensors of more than three dimensions that are not contiguous are made 
 first: cupylab's row kernels take any strides whose leading dimensions merge into two strided
 levels, which up to two leading dimensions always do.
 """
-import torch
 
 import cupylab
 

@@ -58,10 +58,6 @@ def _tensor(fn, param, t):
                         f"{type(t).__name__})")
 
 
-def _d(t):
-    return t.detach() if t is not None and t.requires_grad else t
-
-
 def _wants_grad(*ts):
     """Grad mode on and one of ``ts`` (tensors or None) requires grad."""
     if not _grad_enabled():
