@@ -22,7 +22,12 @@ Rows, for torch and for CuPy inputs (whichever are usable):
   source on the same memory (CuPy arrays; for torch inputs, CuPy views of the tensors), and
   for torch inputs also against ``torch.add(x, y, out=z)``;
 * ``cupylab.ElementwiseKernel`` of ``ew_add`` (``out=z`` and allocating) against
-  ``cupylab.add`` on the same arrays: a user's elementwise kernel beside cupylab's own.
+  ``cupylab.add`` on the same arrays: a user's elementwise kernel beside cupylab's own;
+* torch inputs only, the torch integration's layers on one :data:`RMS_SHAPE` bfloat16
+  ``rms_norm`` with a weight (no grad), each against ``torch.nn.functional.rms_norm``:
+  ``cupylab.torch.functional.rms_norm`` (the eager no-grad path), the registered operator
+  ``torch.ops.cupylab.rms_norm`` (the dispatcher and the custom-op layer; it also returns
+  ``rstd``), and ``cupylab.rms_norm`` called directly.
 """
 from __future__ import annotations
 
@@ -51,6 +56,8 @@ extern "C" __global__ void ew_add(float* out, const float* x, const float* y, lo
 }
 """
 USER_BLOCK = 256
+#: The rms_norm rows' input (bfloat16; rows x columns).
+RMS_SHAPE = (16, 4096)
 
 
 def _row(inputs, case, make_cl, peer, make_peer, per=1):
@@ -168,7 +175,39 @@ def _torch_rows(torch, cupylab, cp):
     rows.append(user[0])
     rows.append(_row("torch", user[0]["case"], user[0]["make_cl"], "torch.add(x, y, out=z)",
                      lambda: lambda: torch.add(x, y, out=z)))
-    return rows + user[1:]
+    return rows + user[1:] + _torch_integration_rows(torch, cupylab)
+
+
+def _torch_integration_rows(torch, cupylab):
+    """rms_norm through each layer of ``cupylab.torch`` (imported when the row is made)."""
+    rows, cols = RMS_SHAPE
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    size = f"{rows} x {cols} bf16"
+    peer = f"torch.nn.functional.rms_norm(x, ({cols},), w, 1e-6)"
+
+    def make_peer():
+        return lambda: torch.nn.functional.rms_norm(x, (cols,), w, 1e-6)
+
+    def functional():
+        from ..torch import functional as CF  # noqa: PLC0415 - torch only on request
+
+        return lambda: CF.rms_norm(x, (cols,), w, 1e-6)
+
+    def registered():
+        from ..torch import functional  # noqa: F401, PLC0415 - registers torch.ops.cupylab
+
+        op = torch.ops.cupylab.rms_norm
+        return lambda: op(x, w, 1e-6)
+
+    return [
+        _row("torch", f"cupylab.torch.functional.rms_norm(x, ({cols},), w), {size}, no grad",
+             functional, peer, make_peer),
+        _row("torch", f"torch.ops.cupylab.rms_norm(x, w, 1e-6) (registered op), {size}",
+             registered, peer, make_peer),
+        _row("torch", f"cupylab.rms_norm(x, w, 1e-6) (direct), {size}",
+             lambda: lambda: cupylab.rms_norm(x, w, 1e-6), peer, make_peer),
+    ]
 
 
 def _torch_fam(torch, fam, a, b, s, d):

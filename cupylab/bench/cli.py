@@ -662,7 +662,8 @@ def overhead_cmd(ctx, frameworks, calls, rounds, json_path, csv_path, quiet, ver
         click.echo(_report.ceiling_lines(ceiling)[1])
     except Exception as e:  # noqa: BLE001 - the overhead rows do not need it
         click.echo(f"launch floor: measurement failed ({type(e).__name__}: {e})")
-    click.echo(f"host cost per call, {_overhead.N} float32 elements: wall clock over {calls} "
+    click.echo(f"host cost per call, {_overhead.N} float32 elements unless the row names its "
+               f"size: wall clock over {calls} "
                f"back-to-back calls ending in a synchronize, median of {rounds} rounds (us)")
 
     def progress(text):

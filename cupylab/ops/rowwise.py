@@ -227,8 +227,10 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, return_stats=False, out=None
     return _norm("layer_norm", x, None, weight, bias, eps, return_stats, False, out, stream)
 
 
-def add_rms_norm(x, residual, weight, eps=1e-6, inplace=False, out=None, *, stream=None):
-    return _norm("add_rms_norm", x, residual, weight, None, eps, False, inplace, out, stream)
+def add_rms_norm(x, residual, weight, eps=1e-6, inplace=False, out=None, *, return_stats=False,
+                 stream=None):
+    return _norm("add_rms_norm", x, residual, weight, None, eps, return_stats, inplace, out,
+                 stream)
 
 
 _doc(rms_norm, """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis.
@@ -282,11 +284,14 @@ _doc(add_rms_norm, """``h = x + residual`` (rounded to x's dtype), ``y = rms_nor
         Write ``h`` into ``residual`` (what inference engines do) instead of a new array.
     out : GPU array, optional
         For ``y``; may be ``x``.
+    return_stats : bool
+        Also return ``rstd`` of ``h`` (shape ``x.shape[:-1]``; float32, float64 for float64
+        x), what :func:`rms_norm_backward` needs (with ``h`` as its ``x``).
     stream : stream, optional
 
     Returns
     -------
-    (y, h)
+    (y, h) or (y, h, rstd)
         ``h`` is ``residual`` itself when ``inplace=True``.
 """)
 

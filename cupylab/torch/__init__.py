@@ -3,6 +3,11 @@ this package or torch).
 
 Modules
 -------
+functional
+    Differentiable, torch.compile-friendly functions over cupylab's kernels (softmax, norms,
+    cross-entropy, elementwise arithmetic); importing it registers ``torch.ops.cupylab.*``
+    (:mod:`cupylab.torch._library`; backward formulas in :mod:`cupylab.torch._autograd`,
+    launches in :mod:`cupylab.torch._kernels`).
 optim
     Drop-in ``torch.optim`` optimizers (Adam, AdamW, SGD subclass torch's own, so their
     ``state_dict`` loads into torch's optimizers and back; Lion) whose step is one cupylab

@@ -1,0 +1,284 @@
+"""Backward formulas of cupylab's torch operators, written once for both paths.
+
+Each operator has a ``setup_context(ctx, inputs, output)`` (what the forward saves: the
+statistics and the tensors the formula needs, never a recomputed activation) and a
+``backward(k, ctx, *grads)``, where ``k`` provides the backward kernels by name:
+
+* the registered operators (:mod:`cupylab.torch._library`) pass ``torch.ops.cupylab``, so that
+  torch.compile traces the backward into calls of registered operators;
+* the eager ``torch.autograd.Function`` classes built here (:data:`FUNCTIONS`) pass
+  :mod:`cupylab.torch._kernels`, which launches the same kernels without the dispatcher.
+
+The forward of a Function is the function of the same name in :mod:`cupylab.torch._kernels`,
+the real implementation of the registered operator too. Gradients of unused outputs arrive as
+None (``set_materialize_grads(False)``: no zero tensors are made for them). Elementwise
+gradients are torch operations, reduced to each input's shape with ``sum_to_size`` and cast to
+its dtype. Statistics outputs (``rstd``, ``mean``) and cross-entropy's ``dlogits`` are
+non-differentiable. The eager backward is once-differentiable (no double backward).
+"""
+import functools
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _kernels
+
+__all__ = ["FORMULAS", "FUNCTIONS"]
+
+
+def _acc(dt):
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+# -- softmax / log_softmax: save the output ---------------------------------------------------
+def _softmax_setup(ctx, inputs, output):
+    ctx.dim = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(k, ctx, dy):
+    if dy is None:
+        return None, None
+    (y,) = ctx.saved_tensors
+    return k.softmax_backward(y, dy, ctx.dim), None
+
+
+def _log_softmax_backward(k, ctx, dy):
+    if dy is None:
+        return None, None
+    (y,) = ctx.saved_tensors
+    return k.log_softmax_backward(y, dy, ctx.dim), None
+
+
+# -- norms: save x (or h), the weight and the statistics ---------------------------------------
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_backward(k, ctx, dy, _drstd):
+    if dy is None:
+        return None, None, None
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = k.rms_norm_backward(dy, x, weight, rstd)
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None), (dw if weight is not None and need[1] else None), None
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(x, weight, output[1], output[2])
+
+
+def _layer_norm_backward(k, ctx, dy, _dmean, _drstd):
+    if dy is None:
+        return None, None, None, None
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = k.layer_norm_backward(dy, x, weight, mean, rstd)
+    need = ctx.needs_input_grad
+    if weight is None:
+        dw = None
+        db = None
+        if ctx.bias_dtype is not None and need[2]:  # a bias without a weight: sum of dy
+            lead = tuple(range(dy.dim() - 1))
+            db = dy.sum(dim=lead, dtype=_acc(dy.dtype)).to(ctx.bias_dtype)
+    else:
+        dw = dw if need[1] else None
+        db = db if ctx.bias_dtype is not None and need[2] else None
+    return (dx if need[0] else None), dw, db, None
+
+
+def _add_rms_norm_setup(ctx, inputs, output):
+    _, _, weight, _ = inputs
+    _, h, rstd = output
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(h, weight, rstd)
+
+
+def _add_rms_norm_backward(k, ctx, dy, dh, _drstd):
+    h, weight, rstd = ctx.saved_tensors
+    g = dw = None
+    if dy is not None:
+        g, dw = k.rms_norm_backward(dy, h, weight, rstd)
+        if weight is None or not ctx.needs_input_grad[2]:
+            dw = None
+    if dh is not None:  # h is also an output (the next residual): its gradient adds
+        g = dh if g is None else g + dh
+    need = ctx.needs_input_grad
+    return (g if need[0] else None), (g if need[1] else None), dw, None
+
+
+# -- cross-entropy: the gradient was written by the forward -----------------------------------
+def _cross_entropy_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(output[1])
+    ctx.reduction = inputs[3]
+    ctx.has_grad = bool(inputs[5])
+    ctx.save_for_backward(output[1])
+
+
+def _cross_entropy_backward(k, ctx, dloss, _ddlogits):
+    if dloss is None:
+        return (None,) * 6
+    if not ctx.has_grad:
+        raise RuntimeError("cupylab::cross_entropy: the forward ran with compute_grad=False, "
+                           "so no input gradient was written; call it with compute_grad=True "
+                           "to differentiate it")
+    (dlogits,) = ctx.saved_tensors
+    if ctx.reduction == "none":
+        dloss = dloss.unsqueeze(-1)
+    return (dlogits * dloss, None, None, None, None, None)
+
+
+# -- elementwise ------------------------------------------------------------------------------
+def _reduce(g, like):
+    """``g`` summed over the dims that ``like`` (shape, dtype) was broadcast along, in its
+    dtype."""
+    shape, dtype = like
+    return g.sum_to_size(shape).to(dtype)
+
+
+def _meta(t):
+    return (t.shape, t.dtype)
+
+
+def _binary_setup(ctx, inputs, output):
+    a, b = inputs
+    ctx.set_materialize_grads(False)
+    ctx.metas = (_meta(a), _meta(b))
+
+
+def _add_backward(k, ctx, g):
+    if g is None:
+        return None, None
+    ma, mb = ctx.metas
+    need = ctx.needs_input_grad
+    return (_reduce(g, ma) if need[0] else None), (_reduce(g, mb) if need[1] else None)
+
+
+def _subtract_backward(k, ctx, g):
+    if g is None:
+        return None, None
+    ma, mb = ctx.metas
+    need = ctx.needs_input_grad
+    return (_reduce(g, ma) if need[0] else None), (_reduce(-g, mb) if need[1] else None)
+
+
+def _multiply_setup(ctx, inputs, output):
+    """``d(a) = g * b``, ``d(b) = g * a``: save each operand only if the other needs it."""
+    a, b = inputs
+    _binary_setup(ctx, inputs, output)
+    need = ctx.needs_input_grad
+    ctx.save_for_backward(a if need[1] else None, b if need[0] else None)
+
+
+def _divide_setup(ctx, inputs, output):
+    """``d(a) = g / b``, ``d(b) = -g * a / b**2``."""
+    a, b = inputs
+    _binary_setup(ctx, inputs, output)
+    ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b)
+
+
+def _multiply_backward(k, ctx, g):
+    if g is None:
+        return None, None
+    a, b = ctx.saved_tensors
+    ma, mb = ctx.metas
+    need = ctx.needs_input_grad
+    return ((_reduce(g * b.conj(), ma) if need[0] else None),
+            (_reduce(g * a.conj(), mb) if need[1] else None))
+
+
+def _divide_backward(k, ctx, g):
+    if g is None:
+        return None, None
+    a, b = ctx.saved_tensors
+    ma, mb = ctx.metas
+    need = ctx.needs_input_grad
+    ga = g / b.conj()
+    gb = None
+    if need[1]:
+        gb = _reduce(-ga * (a / b).conj(), mb)
+    return (_reduce(ga, ma) if need[0] else None), gb
+
+
+def _fam_setup(ctx, inputs, output):
+    """fused_add_mul with a tensor ``s``: ``d(a), d(b) = g * s``, ``d(s) = g * (a + b)``."""
+    a, b, s = inputs
+    ctx.set_materialize_grads(False)
+    ctx.metas = (_meta(a), _meta(b), _meta(s))
+    need = ctx.needs_input_grad
+    keep_ab = need[2]
+    ctx.save_for_backward(a if keep_ab else None, b if keep_ab else None,
+                          s if need[0] or need[1] else None)
+
+
+def _fam_backward(k, ctx, g):
+    if g is None:
+        return None, None, None
+    a, b, s = ctx.saved_tensors
+    ma, mb, ms = ctx.metas
+    need = ctx.needs_input_grad
+    gs = g * s.conj() if need[0] or need[1] else None
+    return ((_reduce(gs, ma) if need[0] else None), (_reduce(gs, mb) if need[1] else None),
+            (_reduce(g * (a + b).conj(), ms) if need[2] else None))
+
+
+def _fam_scalar_setup(ctx, inputs, output):
+    a, b, s = inputs
+    ctx.set_materialize_grads(False)
+    ctx.metas = (_meta(a), _meta(b))
+    ctx.s = s
+
+
+def _fam_scalar_backward(k, ctx, g):
+    if g is None:
+        return None, None, None
+    ma, mb = ctx.metas
+    need = ctx.needs_input_grad
+    gs = g * ctx.s
+    return (_reduce(gs, ma) if need[0] else None), (_reduce(gs, mb) if need[1] else None), None
+
+
+#: operator name -> (setup_context, backward(k, ctx, *grads))
+FORMULAS = {
+    "softmax": (_softmax_setup, _softmax_backward),
+    "log_softmax": (_softmax_setup, _log_softmax_backward),
+    "rms_norm": (_rms_norm_setup, _rms_norm_backward),
+    "layer_norm": (_layer_norm_setup, _layer_norm_backward),
+    "add_rms_norm": (_add_rms_norm_setup, _add_rms_norm_backward),
+    "cross_entropy": (_cross_entropy_setup, _cross_entropy_backward),
+    "add": (_binary_setup, _add_backward),
+    "subtract": (_binary_setup, _subtract_backward),
+    "multiply": (_multiply_setup, _multiply_backward),
+    "divide": (_divide_setup, _divide_backward),
+    "fused_add_mul": (_fam_setup, _fam_backward),
+    "fused_add_mul_scalar": (_fam_scalar_setup, _fam_scalar_backward),
+}
+
+
+def _function(name, setup, backward):
+    """The eager ``torch.autograd.Function`` of operator ``name``: forward
+    ``_kernels.<name>`` (looked up per call), ``setup``, and ``backward`` with the kernels of
+    :mod:`cupylab.torch._kernels`."""
+
+    def forward(ctx, *args):
+        out = getattr(_kernels, name)(*args)
+        setup(ctx, args, out)
+        return out
+
+    bwd = once_differentiable(functools.partial(backward, _kernels))
+    return type(f"{name}_function", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(bwd),
+                 "__module__": __name__,
+                 "__doc__": f"Eager autograd of cupylab's {name} (see {__name__})."})
+
+
+#: operator name -> torch.autograd.Function class
+FUNCTIONS = {name: _function(name, *f) for name, f in FORMULAS.items()}

@@ -1,0 +1,193 @@
+"""cupylab's operators registered as torch library operators in the ``cupylab`` namespace
+(``torch.ops.cupylab.<name>``), so that torch.compile keeps them in one graph (no graph
+break), traces their fake implementations for shapes, and differentiates them through their
+registered autograd formulas.
+
+Every operator is a ``torch.library.custom_op`` with an explicit schema and ``mutates_args``,
+its real implementation in :mod:`cupylab.torch._kernels` (looked up per call), a fake
+implementation here giving the real outputs' shapes, dtypes and strides, and, for the forward
+operators, the backward formula of :mod:`cupylab.torch._autograd` with the backward operators
+registered here, so that the traced backward is itself made of registered operators.
+
+Operators (all over the last axis unless stated; every output a new C-contiguous tensor, except
+where noted):
+
+=============================  ====================================================================
+``softmax(x, dim)``            ``y``; any ``dim``
+``log_softmax(x, dim)``        ``y``
+``softmax_backward``           ``(y, dy, dim) -> dx``; for a ``dim`` other than the last, ``dx`` is
+                               ``empty(shape with dim moved last).movedim(-1, dim)``
+``log_softmax_backward``       the same for log_softmax
+``rms_norm``                   ``(x, weight?, eps) -> (y, rstd)``
+``rms_norm_backward``          ``(dy, x, weight?, rstd) -> (dx, dweight)``
+``layer_norm``                 ``(x, weight?, bias?, eps) -> (y, mean, rstd)``
+``layer_norm_backward``        ``(dy, x, weight?, mean, rstd) -> (dx, dweight, dbias)``
+``add_rms_norm``               ``(x, residual, weight?, eps) -> (y, h, rstd)``
+``add_rms_norm_``              ``(x, residual!, weight?, eps) -> y``; writes ``h`` into ``residual``
+                               (mutates it; no autograd formula)
+``cross_entropy``              ``(logits, target, ignore_index, reduction, label_smoothing,
+                               compute_grad) -> (loss, dlogits)``; class axis last; ``loss`` in the
+                               logits' dtype; ``dlogits`` (the gradient of ``loss``, written by the
+                               forward) is (0,)-shaped when ``compute_grad`` is false
+``add``, ``subtract``,         ``(a, b) -> out``: broadcasting, torch's type promotion
+``multiply``, ``divide``
+``fused_add_mul``              ``(a, b, s) -> (a + b) * s``; ``fused_add_mul_scalar`` takes a number
+=============================  ====================================================================
+
+Statistics are float32 (float64 for float64 inputs) of shape ``x.shape[:-1]``. A weight
+gradient that does not exist (no weight) is a (0,)-shaped tensor: a registered operator
+returns tensors only.
+"""
+import torch
+
+from . import _autograd, _kernels
+
+__all__ = ["NAMESPACE", "SCHEMAS", "OPS"]
+
+NAMESPACE = "cupylab"
+
+#: operator name -> (schema, mutated arguments)
+SCHEMAS = {
+    "softmax": ("(Tensor x, int dim) -> Tensor", ()),
+    "log_softmax": ("(Tensor x, int dim) -> Tensor", ()),
+    "softmax_backward": ("(Tensor y, Tensor dy, int dim) -> Tensor", ()),
+    "log_softmax_backward": ("(Tensor y, Tensor dy, int dim) -> Tensor", ()),
+    "rms_norm": ("(Tensor x, Tensor? weight, float eps) -> (Tensor, Tensor)", ()),
+    "rms_norm_backward": ("(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> "
+                          "(Tensor, Tensor)", ()),
+    "layer_norm": ("(Tensor x, Tensor? weight, Tensor? bias, float eps) -> "
+                   "(Tensor, Tensor, Tensor)", ()),
+    "layer_norm_backward": ("(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd) "
+                            "-> (Tensor, Tensor, Tensor)", ()),
+    "add_rms_norm": ("(Tensor x, Tensor residual, Tensor? weight, float eps) -> "
+                     "(Tensor, Tensor, Tensor)", ()),
+    "add_rms_norm_": ("(Tensor x, Tensor(a!) residual, Tensor? weight, float eps) -> Tensor",
+                      ("residual",)),
+    "cross_entropy": ("(Tensor logits, Tensor target, int ignore_index, str reduction, "
+                      "float label_smoothing, bool compute_grad) -> (Tensor, Tensor)", ()),
+    "add": ("(Tensor a, Tensor b) -> Tensor", ()),
+    "subtract": ("(Tensor a, Tensor b) -> Tensor", ()),
+    "multiply": ("(Tensor a, Tensor b) -> Tensor", ()),
+    "divide": ("(Tensor a, Tensor b) -> Tensor", ()),
+    "fused_add_mul": ("(Tensor a, Tensor b, Tensor s) -> Tensor", ()),
+    "fused_add_mul_scalar": ("(Tensor a, Tensor b, Scalar s) -> Tensor", ()),
+}
+
+
+# -- fake implementations: the real outputs' metadata -----------------------------------------
+def _acc(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _same(x, *_):
+    return x.new_empty(x.shape)
+
+
+def _softmax_bwd_fake(y, dy, dim):
+    nd = y.dim()
+    dim = dim % nd
+    if dim == nd - 1:
+        return y.new_empty(y.shape)
+    return y.new_empty(y.movedim(dim, -1).shape).movedim(-1, dim)
+
+
+def _stats(x, n):
+    lead = x.shape[:-1]
+    return tuple(x.new_empty(lead, dtype=_acc(x)) for _ in range(n))
+
+
+def _weight_grad(x, weight):
+    return x.new_empty((0,)) if weight is None else weight.new_empty(weight.shape)
+
+
+def _rms_norm_fake(x, weight, eps):
+    return (x.new_empty(x.shape), *_stats(x, 1))
+
+
+def _rms_norm_bwd_fake(dy, x, weight, rstd):
+    return x.new_empty(x.shape), _weight_grad(x, weight)
+
+
+def _layer_norm_fake(x, weight, bias, eps):
+    return (x.new_empty(x.shape), *_stats(x, 2))
+
+
+def _layer_norm_bwd_fake(dy, x, weight, mean, rstd):
+    return x.new_empty(x.shape), _weight_grad(x, weight), _weight_grad(x, weight)
+
+
+def _add_rms_norm_fake(x, residual, weight, eps):
+    return (x.new_empty(x.shape), x.new_empty(x.shape), *_stats(x, 1))
+
+
+def _cross_entropy_fake(logits, target, ignore_index, reduction, label_smoothing,
+                        compute_grad):
+    loss = logits.new_empty(logits.shape[:-1] if reduction == "none" else ())
+    return loss, logits.new_empty(logits.shape if compute_grad else (0,))
+
+
+def result_dtype(name, a, b, s=None):
+    """The dtype cupylab gives a torch caller (:mod:`cupylab._promotion`'s torch rule):
+    ``torch.result_type``; true division of integers and bools in the default dtype;
+    ``fused_add_mul`` promotes ``(a, b)`` first, then that dtype (as a tensor with
+    dimensions) with ``s``."""
+    r = torch.result_type(a, b)
+    if name.startswith("fused_add_mul"):
+        r = torch.result_type(torch.empty((1,), dtype=r, device="meta"), s)
+    elif name == "divide" and not (r.is_floating_point or r.is_complex):
+        r = torch.get_default_dtype()
+    return r
+
+
+def _binary_fake(name):
+    def fake(a, b, s=None):
+        shape = torch.broadcast_shapes(a.shape, b.shape) if s is None or not isinstance(
+            s, torch.Tensor) else torch.broadcast_shapes(a.shape, b.shape, s.shape)
+        return a.new_empty(shape, dtype=result_dtype(name, a, b, s))
+    return fake
+
+
+_FAKES = {
+    "softmax": _same, "log_softmax": _same,
+    "softmax_backward": _softmax_bwd_fake, "log_softmax_backward": _softmax_bwd_fake,
+    "rms_norm": _rms_norm_fake, "rms_norm_backward": _rms_norm_bwd_fake,
+    "layer_norm": _layer_norm_fake, "layer_norm_backward": _layer_norm_bwd_fake,
+    "add_rms_norm": _add_rms_norm_fake, "add_rms_norm_": _same,
+    "cross_entropy": _cross_entropy_fake,
+    **{n: _binary_fake(n) for n in ("add", "subtract", "multiply", "divide", "fused_add_mul",
+                                    "fused_add_mul_scalar")},
+}
+
+
+# -- registration -----------------------------------------------------------------------------
+def _impl(name):
+    """The real implementation: ``_kernels.<name>``, looked up per call."""
+    def impl(*args):
+        return getattr(_kernels, name)(*args)
+    impl.__name__ = impl.__qualname__ = name
+    impl.__doc__ = getattr(_kernels, name).__doc__
+    return impl
+
+
+def _register(name):
+    schema, mutates = SCHEMAS[name]
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", _impl(name), mutates_args=mutates,
+                                 schema=schema)
+    op.register_fake(_FAKES[name])
+    formula = _autograd.FORMULAS.get(name)
+    if formula is not None:
+        setup, backward = formula
+        # the traced backward calls the registered backward operators (torch.ops.cupylab)
+        op.register_autograd(_bound(backward), setup_context=setup)
+    return op
+
+
+def _bound(backward):
+    def bwd(ctx, *grads):
+        return backward(torch.ops.cupylab, ctx, *grads)
+    bwd.__name__ = backward.__name__
+    return bwd
+
+
+#: operator name -> ``torch.library.CustomOpDef``
+OPS = {name: _register(name) for name in SCHEMAS}

@@ -1,0 +1,598 @@
+"""cupylab.torch.functional and the torch.ops.cupylab operators without a GPU (wherever torch
+is installed): fake implementations' shapes, dtypes and strides under FakeTensorMode, the
+dispatch rule (compiling -> registered operator, grad -> autograd.Function, else direct), the
+autograd formulas and their wiring (gradcheck in float64 through both the eager Function and
+the registered operator, with the kernels replaced by torch implementations on the CPU),
+torch.compile(fullgraph=True) tracing of a small model (aot_eager backend, no graph break, no
+recompilation), argument errors, and that ``import cupylab`` does not import torch."""
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cupylab.torch import _autograd, _kernels, _library  # noqa: E402
+from cupylab.torch import functional as F  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+TF = torch.nn.functional
+
+
+# -- torch implementations of cupylab.torch._kernels, for CPU tensors -------------------------
+# Same signatures and the same output metadata as the cupylab kernels (C-contiguous outputs;
+# the softmax gradient along another dim is a moved view), computed with torch.
+def _acc(t):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _dd(t):
+    return None if t is None else t.detach()
+
+
+def _softmax_bwd(y, dy, dim, log):
+    y, dy = y.detach(), dy.detach()
+    dx = (dy - y.exp() * dy.sum(dim, keepdim=True)) if log else \
+        y * (dy - (y * dy).sum(dim, keepdim=True))
+    d = dim % y.dim()
+    if d == y.dim() - 1:
+        return dx.contiguous()
+    return dx.movedim(d, -1).contiguous().movedim(-1, d)
+
+
+def _norm_fwd(x, w, b, eps, ln):
+    xf = x.detach().to(_acc(x))
+    mean = xf.mean(-1) if ln else torch.zeros(x.shape[:-1], dtype=xf.dtype)
+    xc = xf - mean[..., None]
+    rstd = torch.rsqrt(xc.pow(2).mean(-1) + eps)
+    y = xc * rstd[..., None]
+    if w is not None:
+        y = y * w.detach().to(y.dtype)
+    if b is not None:
+        y = y + b.detach().to(y.dtype)
+    return y.to(x.dtype).contiguous(), mean, rstd
+
+
+def _norm_bwd(dy, x, w, mean, rstd):
+    dy, x = dy.detach().to(_acc(x)), x.detach().to(_acc(x))
+    xh = (x - (0 if mean is None else mean[..., None])) * rstd[..., None]
+    g = dy * (1 if w is None else w.detach().to(dy.dtype))
+    c = (g * xh).mean(-1, keepdim=True)
+    dx = rstd[..., None] * (g - (0 if mean is None else g.mean(-1, keepdim=True)) - xh * c)
+    lead = tuple(range(x.dim() - 1))
+    dw = None if w is None else (dy * xh).sum(lead).to(w.dtype)
+    db = None if w is None else dy.sum(lead).to(w.dtype)
+    return (dx.to(dy.dtype if x.dtype == torch.float64 else x.dtype).contiguous(),
+            x.new_empty((0,)) if dw is None else dw, x.new_empty((0,)) if db is None else db)
+
+
+def _ce(logits, target, ii, red, ls, compute_grad):
+    """Cross-entropy and its gradient, analytically (a registered operator's implementation
+    runs below autograd)."""
+    x = logits.detach().to(_acc(logits))
+    n = x.shape[-1]
+    keep = target != ii
+    t = torch.where(keep, target, torch.zeros_like(target)).long()
+    lse = torch.logsumexp(x, -1)
+    picked = x.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    rows = (1 - ls) * (lse - picked) + ls * (lse - x.mean(-1))
+    rows = torch.where(keep, rows, torch.zeros_like(rows))
+    count = keep.sum().to(x.dtype)
+    loss = rows.sum() / count if red == "mean" else rows.sum() if red == "sum" else rows
+    g = None
+    if compute_grad:
+        onehot = TF.one_hot(t, n).to(x.dtype)
+        g = torch.softmax(x, -1) - (1 - ls) * onehot - ls / n
+        g = g * keep.unsqueeze(-1).to(x.dtype) / (count if red == "mean" else 1)
+    loss = loss.to(logits.dtype)
+    return loss, (logits.new_empty((0,)) if g is None else g.to(logits.dtype).contiguous())
+
+
+CALLS = []  # (kernel name, args) of every reference kernel call
+
+
+def _log(name, fn):
+    def f(*a):
+        CALLS.append((name, a))
+        return fn(*a)
+    return f
+
+
+REFS = {
+    "softmax": lambda x, d: torch.softmax(x.detach(), d).contiguous(),
+    "log_softmax": lambda x, d: torch.log_softmax(x.detach(), d).contiguous(),
+    "softmax_backward": lambda y, dy, d: _softmax_bwd(y, dy, d, False),
+    "log_softmax_backward": lambda y, dy, d: _softmax_bwd(y, dy, d, True),
+    "rms_norm": lambda x, w, eps, stats=True: (
+        (lambda r: (r[0], r[2]) if stats else r[0])(_norm_fwd(x, w, None, eps, False))),
+    "rms_norm_backward": lambda dy, x, w, rstd: _norm_bwd(dy, x, w, None, rstd)[:2],
+    "layer_norm": lambda x, w, b, eps, stats=True: (
+        (lambda r: r if stats else r[0])(_norm_fwd(x, w, b, eps, True))),
+    "layer_norm_backward": _norm_bwd,
+    "add_rms_norm": lambda x, r, w, eps, stats=True: (
+        (lambda h: (lambda o: (o[0], h, o[2]) if stats else (o[0], h))(
+            _norm_fwd(h, w, None, eps, False)))((x.detach() + r.detach()).contiguous())),
+    "add_rms_norm_": lambda x, r, w, eps: _norm_fwd(r.add_(x.detach()), w, None, eps,
+                                                    False)[0],
+    "cross_entropy": _ce,
+    "cross_entropy_loss": lambda x, t, ii, red, ls: _ce(x, t, ii, red, ls, False)[0],
+    "add": lambda a, b: torch.add(_dd(a), _dd(b)).contiguous(),
+    "subtract": lambda a, b: torch.sub(_dd(a), _dd(b)).contiguous(),
+    "multiply": lambda a, b: torch.mul(_dd(a), _dd(b)).contiguous(),
+    "divide": lambda a, b: torch.div(_dd(a), _dd(b)).contiguous(),
+    "fused_add_mul": lambda a, b, s: ((_dd(a) + _dd(b)) * _dd(s)).contiguous(),
+    "fused_add_mul_scalar": lambda a, b, s: ((_dd(a) + _dd(b)) * s).contiguous(),
+}
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    """cupylab.torch._kernels replaced by the torch implementations above (calls logged)."""
+    CALLS.clear()
+    for name, fn in REFS.items():
+        monkeypatch.setattr(_kernels, name, _log(name, fn))
+    yield CALLS
+    CALLS.clear()
+
+
+def _g(*shape, dtype=torch.float64, seed=0, grad=True, lo=None):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(*shape, generator=g, dtype=dtype)
+    if lo is not None:  # magnitudes away from zero (divisors)
+        t = t.sign() * (t.abs() + lo)
+    return t.requires_grad_(grad)
+
+
+# -- import hygiene ---------------------------------------------------------------------------
+def test_import_cupylab_does_not_import_torch():
+    code = ("import sys, cupylab, cupylab.torch; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "import cupylab.torch.functional as F, torch; "
+            "assert hasattr(torch.ops.cupylab, 'rms_norm'); print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+def test_every_operator_registered_with_schema():
+    for name, (schema, mutates) in _library.SCHEMAS.items():
+        op = getattr(torch.ops.cupylab, name).default
+        s = op._schema
+        assert [a.name for a in s.arguments] == [
+            p.split()[-1] for p in schema[1:schema.index(") ->")].split(", ")]
+        assert {a.name for a in s.arguments if a.alias_info is not None
+                and a.alias_info.is_write} == set(mutates)
+    # the forward operators have autograd formulas; the mutating one cannot
+    assert set(_autograd.FORMULAS) == set(_library.SCHEMAS) - {
+        "softmax_backward", "log_softmax_backward", "rms_norm_backward",
+        "layer_norm_backward", "add_rms_norm_"}
+
+
+def test_public_functions_documented():
+    for name in F.__all__:
+        doc = getattr(F, name).__doc__
+        assert doc and "Returns" in doc and "Raises" in doc and "Parameters" in doc, name
+
+
+# -- fake implementations ---------------------------------------------------------------------
+def _fake(shape, dtype=torch.bfloat16, **kw):
+    return torch.empty(shape, dtype=dtype, device="cuda", **kw)
+
+
+def _meta(t):
+    return tuple(t.shape), t.dtype, tuple(t.stride()), t.device.type
+
+
+def _contig(shape, dtype):
+    return (tuple(shape), dtype, tuple(torch.empty(shape, device="meta").stride()), "cuda")
+
+
+def test_fake_rowwise_shapes_dtypes_strides():
+    ops = torch.ops.cupylab
+    with FakeTensorMode():
+        x = _fake((3, 5, 7))
+        xt = _fake((7, 5, 3)).transpose(0, 2)  # non-contiguous input: outputs are contiguous
+        w32 = _fake((7,), torch.float32)
+        for inp in (x, xt):
+            assert _meta(ops.softmax(inp, -1)) == _contig((3, 5, 7), torch.bfloat16)
+            assert _meta(ops.log_softmax(inp, 1)) == _contig((3, 5, 7), torch.bfloat16)
+            y, rstd = ops.rms_norm(inp, w32, 1e-6)
+            assert _meta(y) == _contig((3, 5, 7), torch.bfloat16)
+            assert _meta(rstd) == _contig((3, 5), torch.float32)
+            y, mean, rstd = ops.layer_norm(inp, w32, w32, 1e-5)
+            assert _meta(mean) == _meta(rstd) == _contig((3, 5), torch.float32)
+        y64, r64 = ops.rms_norm(_fake((4, 6), torch.float64), None, 1e-6)
+        assert r64.dtype == torch.float64
+        dx, dw = ops.rms_norm_backward(x, x, w32, rstd)
+        assert _meta(dx) == _contig((3, 5, 7), torch.bfloat16)
+        assert _meta(dw) == _contig((7,), torch.float32)
+        dx, dw, db = ops.layer_norm_backward(x, x, None, rstd, rstd)
+        assert dw.shape == db.shape == (0,)
+        # softmax gradient along a middle dim: a moved view of a contiguous tensor
+        dx = ops.softmax_backward(x, x, 1)
+        assert _meta(dx) == ((3, 5, 7), torch.bfloat16, (35, 1, 5), "cuda")
+        assert _meta(ops.log_softmax_backward(x, x, -1)) == _contig((3, 5, 7), torch.bfloat16)
+        y, h, rstd = ops.add_rms_norm(x, x, None, 1e-6)
+        assert _meta(y) == _meta(h) == _contig((3, 5, 7), torch.bfloat16)
+        assert _meta(rstd) == _contig((3, 5), torch.float32)
+        assert _meta(ops.add_rms_norm_(x, _fake((3, 5, 7)), w32, 1e-6)) == _meta(y)
+
+
+@pytest.mark.parametrize("red,grad", [("mean", True), ("sum", False), ("none", True)])
+def test_fake_cross_entropy(red, grad):
+    with FakeTensorMode():
+        x = _fake((6, 11), torch.float16)
+        t = torch.empty(6, dtype=torch.int64, device="cuda")
+        loss, g = torch.ops.cupylab.cross_entropy(x, t, -100, red, 0.1, grad)
+        assert _meta(loss) == _contig((6,) if red == "none" else (), torch.float16)
+        assert _meta(g) == (_contig((6, 11), torch.float16) if grad
+                            else _contig((0,), torch.float16))
+
+
+@pytest.mark.parametrize("a,b,name,dt", [
+    (((4, 1), torch.bfloat16), ((3,), torch.float32), "add", torch.float32),
+    (((2, 3), torch.float16), ((), torch.float64), "multiply", torch.float16),  # 0-d: category
+    (((2, 3), torch.int32), ((2, 3), torch.int64), "divide", torch.float32),  # true division
+    (((2, 3), torch.int32), ((2, 1), torch.int64), "subtract", torch.int64),
+])
+def test_fake_elementwise(a, b, name, dt):
+    with FakeTensorMode():
+        x, y = _fake(*a), _fake(*b)
+        out = getattr(torch.ops.cupylab, name)(x, y)
+        shape = torch.broadcast_shapes(a[0], b[0])
+        assert _meta(out) == _contig(shape, dt)
+        assert out.dtype == (torch.div(x, y) if name == "divide" else
+                             getattr(torch, name)(x, y)).dtype
+        s = _fake((4, 1, 1), torch.float64)
+        assert _meta(torch.ops.cupylab.fused_add_mul(x, y, s)) == _contig(
+            torch.broadcast_shapes(a[0], b[0], (4, 1, 1)), torch.float64)
+        r = torch.ops.cupylab.fused_add_mul_scalar(x, y, 2)
+        assert r.dtype == ((x + y) * 2).dtype and r.shape == shape
+
+
+def test_fake_promotion_matches_cupylab_rule():
+    """The fake's dtype is what cupylab's torch promotion rule resolves."""
+    from cupylab import _dtypes, _promotion
+
+    combos = [("bfloat16", True, "float32", False), ("float16", False, "float64", True),
+              ("int32", False, "int64", False), ("int64", False, "float16", True),
+              ("bool", False, "int8", False)]
+    for da, za, db, zb in combos:
+        a = torch.empty(() if za else (2,), dtype=getattr(torch, da))
+        b = torch.empty(() if zb else (2,), dtype=getattr(torch, db))
+        for name, op in (("add", "add"), ("multiply", "multiply"), ("divide", "true_divide")):
+            keys = (("a", da, za), ("a", db, zb))
+            want = _promotion.resolve("torch", op, keys)[1]
+            assert _dtypes.resolve(_library.result_dtype(name, a, b)) is want, (name, da, db)
+        keys = (("a", da, za), ("a", db, zb), ("w", "float"))
+        want = _promotion.resolve("torch", "fused_add_mul", keys)[1]
+        assert _dtypes.resolve(_library.result_dtype("fused_add_mul", a, b, 1.5)) is want
+
+
+# -- dispatch ---------------------------------------------------------------------------------
+def _bwd_name(t):
+    return type(t.grad_fn).__name__ if t.grad_fn is not None else None
+
+
+def test_dispatch_three_paths(cpu_kernels, monkeypatch):
+    x = _g(4, 8, dtype=torch.float32)
+    w = _g(8, dtype=torch.float32, seed=1)
+    # 1. grad -> the eager autograd.Function
+    y = F.rms_norm(x, 8, w, 1e-6)
+    assert _bwd_name(y) == "rms_norm_functionBackward"
+    assert cpu_kernels[-1][0] == "rms_norm" and len(cpu_kernels[-1][1]) == 3  # with stats
+    # 2. no grad -> the kernel directly, without statistics
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            y = F.rms_norm(x, 8, w, 1e-6)
+        assert y.grad_fn is None and not y.requires_grad
+        name, args = cpu_kernels[-1]
+        assert name == "rms_norm" and args[3] is False
+    y = F.rms_norm(x.detach(), 8, None, 1e-6)
+    assert y.grad_fn is None and cpu_kernels[-1][1][3] is False
+    # 3. compiling -> the registered operator (its autograd formula)
+    monkeypatch.setattr(F, "_compiling", lambda: True)
+    y = F.rms_norm(x, 8, w, 1e-6)
+    assert _bwd_name(y).startswith("GeneratedBackwardFor_cupylab_rms_norm")
+    with torch.no_grad():
+        y = F.rms_norm(x, 8, w, 1e-6)
+    assert y.grad_fn is None and cpu_kernels[-1][0] == "rms_norm"
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_dispatch_every_function(cpu_kernels, monkeypatch, compiling):
+    monkeypatch.setattr(F, "_compiling", lambda: compiling)
+    x, r = _g(3, 5), _g(3, 5, seed=1)
+    w, b = _g(5, seed=2), _g(5, seed=3)
+    t = torch.tensor([0, 4, 2])
+    calls = {
+        "softmax": lambda: F.softmax(x, 0),
+        "log_softmax": lambda: F.log_softmax(x),
+        "rms_norm": lambda: F.rms_norm(x, (5,), w),
+        "layer_norm": lambda: F.layer_norm(x, [5], w, b),
+        "add_rms_norm": lambda: F.add_rms_norm(x, r, w)[0],
+        "cross_entropy": lambda: F.cross_entropy(x, t),
+        "add": lambda: F.add(x, r), "subtract": lambda: F.subtract(x, r),
+        "multiply": lambda: F.multiply(x, r), "divide": lambda: F.divide(x, r),
+        "fused_add_mul": lambda: F.fused_add_mul(x, r, b),
+        "fused_add_mul_scalar": lambda: F.fused_add_mul(x, r, 0.5),
+    }
+    for name, call in calls.items():
+        y = call()
+        expect = (f"GeneratedBackwardFor_cupylab_{name}_defaultBackward" if compiling
+                  else f"{name}_functionBackward")
+        assert _bwd_name(y) == expect, name
+        with torch.no_grad():
+            y = call()
+        assert y.grad_fn is None, name
+        if not compiling:
+            direct = "cross_entropy_loss" if name == "cross_entropy" else name
+            assert cpu_kernels[-1][0] == direct, name
+
+
+def test_add_rms_norm_inplace_paths(cpu_kernels, monkeypatch):
+    x, r0, w = _g(3, 6, grad=False), _g(3, 6, seed=1, grad=False), _g(6, seed=2, grad=False)
+    r = r0.clone()
+    v = r._version
+    y = F.add_rms_norm_(x, r, w)
+    assert cpu_kernels[-1][0] == "add_rms_norm_" and r._version > v
+    torch.testing.assert_close(r, x + r0)
+    torch.testing.assert_close(y, TF.rms_norm(x + r0, (6,), w, 1e-6))
+    # compiling without grad: the mutating registered operator
+    monkeypatch.setattr(F, "_compiling", lambda: True)
+    r = r0.clone()
+    y = F.add_rms_norm_(x, r, w)
+    torch.testing.assert_close(r, x + r0)
+    monkeypatch.setattr(F, "_compiling", lambda: False)
+    # with grad: out of place, then residual.copy_(h): autograd sees the in-place update
+    xg = x.clone().requires_grad_()
+    rg = r0.clone().requires_grad_()
+    res = rg * 1.0
+    y = F.add_rms_norm_(xg, res, w)
+    torch.testing.assert_close(res, x + r0)
+    (y.sum() + (res * res).sum()).backward()
+    xr, rr = x.clone().requires_grad_(), r0.clone().requires_grad_()
+    h = xr + rr
+    (TF.rms_norm(h, (6,), w, 1e-6).sum() + (h * h).sum()).backward()
+    torch.testing.assert_close(xg.grad, xr.grad)
+    torch.testing.assert_close(rg.grad, rr.grad)
+
+
+# -- autograd formulas: gradcheck in float64 through both paths -------------------------------
+def _cases():
+    x = _g(4, 6)
+    x3 = _g(2, 3, 5, seed=4)
+    r = _g(4, 6, seed=1)
+    w, b = _g(6, seed=2), _g(6, seed=3)
+    t = torch.tensor([1, 5, -100, 0])
+    return {
+        "softmax": (lambda x: F.softmax(x, -1), (x,)),
+        "softmax_dim1": (lambda x: F.softmax(x, 1), (x3,)),
+        "log_softmax_dim0": (lambda x: F.log_softmax(x, 0), (x3,)),
+        "rms_norm": (lambda x, w: F.rms_norm(x, (6,), w, 1e-5), (x, w)),
+        "rms_norm_noweight": (lambda x: F.rms_norm(x, 6), (x,)),
+        "rms_norm_2d_shape": (lambda x, w: F.rms_norm(x, (3, 5), w), (x3, _g(3, 5, seed=5))),
+        "layer_norm": (lambda x, w, b: F.layer_norm(x, 6, w, b), (x, w, b)),
+        "layer_norm_bias_only": (lambda x, b: F.layer_norm(x, 6, None, b), (x, b)),
+        "layer_norm_noaffine": (lambda x: F.layer_norm(x, (2, 3, 5)), (x3,)),
+        "add_rms_norm": (lambda x, r, w: F.add_rms_norm(x, r, w), (x, r, w)),
+        "add_rms_norm_h_only": (lambda x, r: F.add_rms_norm(x, r, None)[1] ** 2, (x, r)),
+        "ce_mean": (lambda x: F.cross_entropy(x, t), (x,)),
+        "ce_sum_ls": (lambda x: F.cross_entropy(x, t, reduction="sum", label_smoothing=0.2),
+                      (x,)),
+        "ce_none": (lambda x: F.cross_entropy(x, t, reduction="none"), (x,)),
+        "ce_kdim": (lambda x: F.cross_entropy(x, torch.tensor([[0, 2, 1, 2, 0], [1, 1, 0, 2, 2]]),
+                                              reduction="none"), (x3,)),
+        "add_bcast": (F.add, (x, _g(1, 6, seed=6))),
+        "subtract_bcast": (F.subtract, (_g(4, 1, seed=7), x)),
+        "multiply_bcast": (F.multiply, (x, _g(6, seed=8))),
+        "divide_bcast": (F.divide, (x, _g(4, 1, seed=9, lo=0.5))),
+        "fused_add_mul": (F.fused_add_mul, (x, r, _g(4, 1, seed=10))),
+        "fused_add_mul_scalar": (lambda a, b: F.fused_add_mul(a, b, -1.5), (x, r)),
+    }
+
+
+CASES = sorted(_cases())
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["function", "registered"])
+@pytest.mark.parametrize("case", CASES)
+def test_gradcheck_formulas(cpu_kernels, monkeypatch, case, compiling):
+    monkeypatch.setattr(F, "_compiling", lambda: compiling)
+    fn, args = _cases()[case]
+    assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_gradients_mixed_dtypes(cpu_kernels):
+    """Gradients come back in each input's dtype, summed over broadcast dims."""
+    a = torch.randn(3, 4, dtype=torch.float32, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    F.multiply(a, b).sum().backward()
+    assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float64
+    torch.testing.assert_close(b.grad, a.detach().double().sum(0))
+    x = torch.randn(5, 8).bfloat16().requires_grad_()
+    w = torch.randn(8, requires_grad=True)
+    F.rms_norm(x, 8, w).float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+
+
+def test_saved_tensors_are_minimal(cpu_kernels):
+    """rms_norm saves x, the weight and rstd; softmax its output; cross-entropy its gradient."""
+    x = _g(4, 6, dtype=torch.float32)
+    w = _g(6, dtype=torch.float32, seed=1)
+    y = F.rms_norm(x, 6, w)
+    saved = y.grad_fn.saved_tensors
+    assert len(saved) == 3 and saved[0] is x and saved[1] is w
+    assert saved[2].shape == (4,) and saved[2].dtype == torch.float32
+    y = F.softmax(x)
+    assert [s.shape for s in y.grad_fn.saved_tensors] == [(4, 6)]
+    loss = F.cross_entropy(x, torch.tensor([0, 1, 2, 3]))
+    assert [s.shape for s in loss.grad_fn.saved_tensors] == [(4, 6)]
+    y = F.add(x, x)
+    assert y.grad_fn.saved_tensors == ()
+
+
+def test_cross_entropy_without_compute_grad_refuses_backward(cpu_kernels):
+    x = _g(3, 4, dtype=torch.float32)
+    loss, _ = torch.ops.cupylab.cross_entropy(x, torch.tensor([0, 1, 2]), -100, "mean", 0.0,
+                                              False)
+    with pytest.raises(RuntimeError, match="compute_grad=False"):
+        loss.backward()
+
+
+# -- torch.compile (CPU, aot_eager: traces the fakes and the registered autograd) -------------
+class _Block(torch.nn.Module):
+    def __init__(self, d=16, v=11):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(d))
+        self.b = torch.nn.Parameter(torch.randn(d))
+        self.proj = torch.nn.Linear(d, v)
+
+    def forward(self, x, r, t):
+        y, h = F.add_rms_norm(x, r, self.w)
+        y = F.layer_norm(y, y.shape[-1], self.w, self.b)
+        z = F.fused_add_mul(y, h, 0.5)
+        z = F.add(F.multiply(z, self.w), F.divide(z, self.b.abs() + 1))
+        logits = self.proj(F.subtract(z, h))
+        p = F.softmax(logits, -1) + F.log_softmax(logits, -1)
+        return F.cross_entropy(logits, t) + p.mean() + F.rms_norm(z, z.shape[-1]).mean()
+
+
+def _run_block(model, x, r, t):
+    for p in model.parameters():
+        p.grad = None
+    loss = model(x, r, t)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_compile_fullgraph_no_graph_break_no_recompile(cpu_kernels):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Block()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
+    for batch in (8, 8, 8):
+        x, r = torch.randn(batch, 16), torch.randn(batch, 16)
+        t = torch.randint(0, 11, (batch,))
+        got = _run_block(compiled, x, r, t)
+        want = _run_block(model, x, r, t)
+        torch.testing.assert_close(got[0], want[0])
+        for a, b in zip(got[1], want[1]):
+            torch.testing.assert_close(a, b)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    names = {c[0] for c in cpu_kernels}
+    assert {"softmax_backward", "rms_norm_backward", "layer_norm_backward"} <= names
+
+
+def test_compile_dynamic_batch_one_graph(cpu_kernels):
+    torch._dynamo.reset()
+    model = _Block()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    for batch in (5, 9, 17):
+        x, r = torch.randn(batch, 16), torch.randn(batch, 16)
+        t = torch.randint(0, 11, (batch,))
+        torch.testing.assert_close(_run_block(compiled, x, r, t)[0],
+                                   _run_block(model, x, r, t)[0])
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_compile_inference_uses_mutating_op(cpu_kernels):
+    torch._dynamo.reset()
+
+    def f(x, r, w):
+        return F.add_rms_norm_(x, r, w) * 2
+
+    x, r0, w = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
+    r = r0.clone()
+    with torch.no_grad():
+        y = torch.compile(f, backend="aot_eager", fullgraph=True)(x, r, w)
+    torch.testing.assert_close(r, x + r0)
+    torch.testing.assert_close(y, 2 * TF.rms_norm(x + r0, (8,), w, 1e-6))
+
+
+def test_opcheck_schema_and_autograd_registration(cpu_kernels):
+    """torch.library.opcheck's schema, autograd-registration and fake-vs-real checks (the
+    real kernels here are the CPU references, which share the cupylab kernels' metadata)."""
+    x, w = _g(3, 5, dtype=torch.float32), _g(5, dtype=torch.float32, seed=1)
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for op, args in [
+        (torch.ops.cupylab.rms_norm.default, (x, w, 1e-6)),
+        (torch.ops.cupylab.layer_norm.default, (x, w, None, 1e-5)),
+        (torch.ops.cupylab.softmax.default, (x, 0)),
+        (torch.ops.cupylab.add.default, (x, w)),
+        (torch.ops.cupylab.fused_add_mul_scalar.default, (x, w, 3)),
+        (torch.ops.cupylab.cross_entropy.default, (x, torch.tensor([0, 1, 4]), -100, "mean",
+                                                   0.0, True)),
+        (torch.ops.cupylab.add_rms_norm_.default, (x.detach(), x.detach().clone(), w.detach(),
+                                                   1e-6)),
+    ]:
+        torch.library.opcheck(op, args, test_utils=tests)
+
+
+# -- argument errors --------------------------------------------------------------------------
+@pytest.mark.parametrize("call,exc,words", [
+    (lambda x: F.softmax(x, 2), IndexError, ["softmax", "dim 2"]),
+    (lambda x: F.log_softmax(x, 1.0), TypeError, ["log_softmax", "dim"]),
+    (lambda x: F.softmax([1.0]), TypeError, ["softmax", "x must be a torch.Tensor"]),
+    (lambda x: F.rms_norm(x, (3,)), ValueError, ["rms_norm", "normalized_shape"]),
+    (lambda x: F.rms_norm(x, ()), ValueError, ["rms_norm", "normalized_shape"]),
+    (lambda x: F.rms_norm(x, "5"), TypeError, ["rms_norm", "normalized_shape"]),
+    (lambda x: F.rms_norm(x, (3, 5)), ValueError, ["rms_norm", "normalized_shape"]),
+    (lambda x: F.rms_norm(x, 5, torch.ones(4)), ValueError, ["rms_norm", "weight"]),
+    (lambda x: F.rms_norm(x, 5, eps=-1.0), ValueError, ["rms_norm", "eps"]),
+    (lambda x: F.rms_norm(x.long(), 5), TypeError, ["rms_norm", "floating-point"]),
+    (lambda x: F.layer_norm(x, 5, None, torch.ones(5, 1)), ValueError, ["layer_norm", "bias"]),
+    (lambda x: F.add_rms_norm(x, x[:1], None), ValueError, ["add_rms_norm", "residual"]),
+    (lambda x: F.add_rms_norm_(x, x, torch.ones(3)), ValueError, ["add_rms_norm_", "weight"]),
+    (lambda x: F.cross_entropy(x, torch.tensor([0, 1]), weight=torch.ones(5)), ValueError,
+     ["cross_entropy", "weight"]),
+    (lambda x: F.cross_entropy(x, torch.tensor([0, 1, 2])), ValueError,
+     ["cross_entropy", "target must have shape (2,)"]),
+    (lambda x: F.cross_entropy(x, torch.rand(2, 5)), TypeError, ["cross_entropy", "target"]),
+    (lambda x: F.cross_entropy(x, torch.tensor([0, 1]), reduction="avg"), ValueError,
+     ["cross_entropy", "reduction"]),
+    (lambda x: F.cross_entropy(x, torch.tensor([0, 1]), label_smoothing=1.5), ValueError,
+     ["cross_entropy", "label_smoothing"]),
+    (lambda x: F.cross_entropy(x, torch.tensor([0, 1]), ignore_index=1.0), TypeError,
+     ["cross_entropy", "ignore_index"]),
+    (lambda x: F.add(x, 1.0), TypeError, ["add", "other must be a torch.Tensor"]),
+    (lambda x: F.divide(2, x), TypeError, ["divide", "input"]),
+    (lambda x: F.fused_add_mul(x, x, "2"), TypeError, ["fused_add_mul", "s must be"]),
+])
+def test_argument_errors(call, exc, words):
+    x = torch.randn(2, 5)
+    with pytest.raises(exc) as ei:
+        call(x)
+    msg = str(ei.value)
+    assert msg.startswith("cupylab.torch.functional."), msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_cpu_tensors_reach_cupylab_errors():
+    """Without the CPU references, the real kernels refuse host tensors with cupylab's error
+    naming the operator (nothing is launched)."""
+    with pytest.raises(TypeError, match="rms_norm"):
+        F.rms_norm(torch.randn(2, 4), 4)
+    with pytest.raises(TypeError, match="add"):
+        F.add(torch.randn(2), torch.randn(2))
+
+
+def test_normalized_shape_flattening_is_a_view(cpu_kernels):
+    x = _g(2, 3, 4, dtype=torch.float32, grad=False)
+    w = _g(3, 4, dtype=torch.float32, seed=1, grad=False)
+    y = F.rms_norm(x, (3, 4), w, 1e-6)
+    args = cpu_kernels[-1][1]
+    assert args[0].shape == (2, 12) and args[0].data_ptr() == x.data_ptr()  # a view
+    assert args[1].shape == (12,)
+    torch.testing.assert_close(y, TF.rms_norm(x, (3, 4), w, 1e-6))
+    y = F.layer_norm(x, x.shape[1:], w, w)
+    torch.testing.assert_close(y, TF.layer_norm(x, (3, 4), w, w))
+    assert F.rms_norm(x, 4).shape == x.shape
+    assert torch.allclose(F.softmax(torch.tensor(3.0)), torch.tensor(1.0))
