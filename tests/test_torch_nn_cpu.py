@@ -449,3 +449,23 @@ def test_example_arguments(example):
         example.parse(["--steps", "5", "--warmup", "5"])
     a = example.parse(["--modes", "cupylab, torch", "--json", "x.json"])
     assert a.modes == ["cupylab", "torch"] and a.json == "x.json" and a.heads == 8
+
+
+def test_example_main_on_cpu(cl, example, no_functional, monkeypatch, tmp_path):
+    """The whole script on the host (--device cpu): every mode but the compiled ones, with
+    torch's AdamW standing in for cupylab's (which refuses host tensors)."""
+    import cupylab.torch.optim as clo
+
+    monkeypatch.setattr(clo, "AdamW", torch.optim.AdamW)
+    out = tmp_path / "r.json"
+    rc = example.main(["--device", "cpu", "--steps", "4", "--warmup", "1", "--d-model", "32",
+                       "--layers", "1", "--seq", "16", "--batch", "2", "--vocab", "300",
+                       "--modes", "torch,torch-alt,cupylab", "--json", str(out)])
+    res = __import__("json").loads(out.read_text())
+    assert rc == 0 and res["ok"] and list(res["records"]) == ["torch", "torch-alt", "cupylab"]
+    recs = res["records"]
+    assert recs["cupylab"]["swapped"] == 4 and recs["torch"]["swapped"] == 0
+    assert all(len(r["losses"]) == 4 for r in recs.values())
+    assert recs["cupylab"]["losses"][0] == recs["torch"]["losses"][0]  # same init, same data
+    assert res["check"]["floor"] == recs["torch-alt"]["rel_dist"]
+    assert [p["mode"] for p in res["check"]["pairs"]] == ["cupylab"]

@@ -137,35 +137,50 @@ def run_mode(mode, args, init_state, data):
     fwd = torch.compile(model, fullgraph=True) if mode.endswith("compile") else model
     scale = 3.0 if mode == "torch-alt" else None
     xs, ys = data
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(args.steps)]
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(args.steps)]
+        torch.cuda.reset_peak_memory_stats()
+    else:  # --device cpu (a test of the script): host clock, no memory statistics
+        ev = [[None, None] for _ in range(args.steps)]
     losses = []
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
     first = None
     for i in range(args.steps):
         t0 = time.perf_counter()
-        ev[i][0].record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        _mark(ev[i], 0, cuda)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = fwd(xs[i], ys[i])
         (loss if scale is None else loss * scale).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        ev[i][1].record()
+        _mark(ev[i], 1, cuda)
         losses.append(loss.detach().float())
         if i == 0:
-            torch.cuda.synchronize()
+            sync()
             first = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    ms = [a.elapsed_time(b) for a, b in ev[args.warmup:]]
+    sync()
+    ms = [(a.elapsed_time(b) if cuda else (b - a) * 1e3) for a, b in ev[args.warmup:]]
     rec = dict(mode=mode, swapped=swapped, losses=torch.stack(losses).cpu().tolist(),
-               first_step_s=first, peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9,
+               first_step_s=first,
+               peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
                median_ms=statistics.median(ms) if ms else float("nan"),
                p10_ms=_quantile(ms, 0.1), p90_ms=_quantile(ms, 0.9))
     del fwd, model, opt
     torch._dynamo.reset()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return rec
+
+
+def _mark(pair, k, cuda):
+    """Record the start (k=0) or end (k=1) of a step: a CUDA event, or the host clock."""
+    if cuda:
+        pair[k].record()
+    else:
+        pair[k] = time.perf_counter()
 
 
 def _quantile(v, q):
@@ -216,7 +231,7 @@ def report(records, args, ok, lines, summary):
     print(f"\nTinyLM d_model={args.d_model} layers={args.layers} heads={args.heads} "
           f"seq={args.seq} batch={args.batch} vocab={args.vocab}, {args.steps} steps "
           f"(median over steps {args.warmup}..{args.steps - 1}), bf16 autocast, "
-          f"{torch.cuda.get_device_name()}")
+          f"{_device_name(args)}")
     print(f"{'mode':16s} {'median ms':>9s} {'p10':>7s} {'p90':>7s} {'1st step s':>10s} "
           f"{'peak GB':>7s} {'loss[0]':>8s} {'loss[-1]':>8s} {'max|dl|':>9s} {'max rel':>9s}")
     for r in records.values():
@@ -238,6 +253,10 @@ def report(records, args, ok, lines, summary):
     print("check:", "PASS" if ok else "FAIL")
 
 
+def _device_name(args):
+    return torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
@@ -254,6 +273,10 @@ def parse(argv=None):
     p.add_argument("--rtol", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the records and the check here")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu runs the loop on the host, for testing this script: cupylab's "
+                        "modules then run torch's forward and cupylab's optimizer refuses "
+                        "host tensors, so only the torch modes run there")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES]
@@ -273,11 +296,11 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("train_tiny_llm: needs a CUDA GPU (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     torch.manual_seed(args.seed)
     init_state = {k: v.detach().clone() for k, v in build_model(args, device).state_dict().items()}
     data = make_data(args.vocab, args.steps, args.batch, args.seq, args.seed + 1, device)
@@ -292,7 +315,7 @@ def main(argv=None):
     report(records, args, ok, lines, summary)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(),
+            json.dump(dict(args=vars(args), device=_device_name(args),
                            torch=torch.__version__, records=records, check=summary, ok=ok),
                       f, indent=1)
     return 0 if ok else 1
