@@ -237,11 +237,17 @@ def test_rms_norm_calls(cl, rec):
     (name, args, kw), = rec.calls
     assert name == "rms_norm" and args[0] is x and args[1] == (5, 8) and args[2] is m.weight
     assert args[3] == 1e-5 and not kw
-    cl.RMSNorm(8, elementwise_affine=False)(torch.randn(2, 8, dtype=torch.bfloat16))
-    assert rec.calls[-1][1][2] is None and rec.calls[-1][1][3] is None
+    # eps=None is torch's: the float32 machine epsilon for 16-bit and float32 inputs
+    for dtype, eps in ((torch.bfloat16, torch.finfo(torch.float32).eps),
+                       (torch.float64, torch.finfo(torch.float64).eps)):
+        m = cl.RMSNorm(8, elementwise_affine=False)
+        x = torch.randn(2, 8, dtype=dtype) * 1e-3
+        torch.testing.assert_close(m(x), torch.nn.RMSNorm(8, elementwise_affine=False)(x))
+        assert rec.calls[-1][1][2] is None and rec.calls[-1][1][3] == eps
+    rec.calls.clear()
     # a bfloat16 input with a float32 weight still goes to cupylab
     cl.RMSNorm(8)(torch.randn(2, 8, dtype=torch.bfloat16))
-    assert len(rec.calls) == 3
+    assert len(rec.calls) == 1
 
 
 def test_layer_norm_calls(cl, rec):
@@ -271,15 +277,18 @@ def test_softmax_calls(cl, rec):
 
 def test_cross_entropy_calls(cl, rec):
     x, t = _inputs("CrossEntropyLoss")
+    x3, t3 = torch.randn(2, 5, 4), torch.randint(0, 5, (2, 4))
+    cases = [(x, t), (x3, t3), (x[0], t[0])]  # (N, C), (N, C, d), unbatched (C,)
     for kw in ({}, dict(ignore_index=2, reduction="sum", label_smoothing=0.1),
                dict(reduction="none"), dict(reduce=False)):
         m, ref = cl.CrossEntropyLoss(**kw), torch.nn.CrossEntropyLoss(**kw)
-        torch.testing.assert_close(m(x, t), ref(x, t))
-        name, args, ckw = rec.calls[-1]
-        assert name == "cross_entropy" and args == (x, t)
-        assert ckw == dict(ignore_index=m.ignore_index, reduction=m.reduction,
-                           label_smoothing=m.label_smoothing)
-    assert len(rec.calls) == 4
+        for xx, tt in cases:
+            torch.testing.assert_close(m(xx, tt), ref(xx, tt))
+            name, args, ckw = rec.calls[-1]
+            assert name == "cross_entropy" and args[0] is xx and args[1] is tt
+            assert ckw == dict(ignore_index=m.ignore_index, reduction=m.reduction,
+                               label_smoothing=m.label_smoothing)
+    assert len(rec.calls) == 12
 
 
 def test_what_stays_on_torch(cl, rec):
@@ -293,15 +302,15 @@ def test_what_stays_on_torch(cl, rec):
     w = torch.rand(5)
     torch.testing.assert_close(cl.CrossEntropyLoss(weight=w)(x, t),
                                torch.nn.functional.cross_entropy(x, t, weight=w))
-    x3, t3 = torch.randn(2, 5, 4), torch.randint(0, 5, (2, 4))
-    torch.testing.assert_close(cl.CrossEntropyLoss()(x3, t3),
-                               torch.nn.functional.cross_entropy(x3, t3))
-    cl.CrossEntropyLoss()(torch.randn(5), torch.tensor(3))  # unbatched
     probs = torch.softmax(torch.randn(3, 5), -1)
     cl.CrossEntropyLoss()(x, probs)  # class probabilities
     # weights of another dtype than the input's (but float32 weights with 16-bit inputs)
     cl.RMSNorm(5, dtype=torch.float64)(x.bfloat16())
     cl.RMSNorm(5, dtype=torch.bfloat16)(x)
+    ln = cl.LayerNorm(5, dtype=torch.bfloat16)
+    ln.bias.data = ln.bias.data.float()  # weight and bias of two dtypes
+    with pytest.raises(RuntimeError):
+        ln(x.bfloat16())  # torch's own CPU error
     with pytest.raises(RuntimeError, match="dtype"):
         cl.LayerNorm(5)(x.double())  # torch's own CPU error
     with pytest.raises(RuntimeError):

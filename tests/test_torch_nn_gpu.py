@@ -122,7 +122,7 @@ def test_cross_entropy(cl, kw, dtype, n, c):
     xm = x.detach().clone().requires_grad_()
     xr = x.detach().double().requires_grad_()
     lm, lr = mine(xm, t), ref(xr, t)
-    assert lm.shape == lr.shape and lm.dtype in (x.dtype, torch.float32)
+    assert lm.shape == lr.shape and lm.dtype == ref(x, t).dtype
     # the logits are the same values in both: the float32 accumulation sets the tolerance
     torch.testing.assert_close(lm.double(), lr, rtol=2e-5 if lm.dtype == torch.float32
                                else 1e-2, atol=1e-5)
@@ -133,6 +133,44 @@ def test_cross_entropy(cl, kw, dtype, n, c):
     assert _normwise(xm.grad, xr.grad) <= TOL[xdt][2]
     if kw.get("ignore_index") == 3 and n > 1:
         assert float(xm.grad[::5].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(9, 50, 3, 4), (50,)])
+def test_cross_entropy_other_layouts(cl, shape, dtype):
+    """(N, C, d1, d2) logits (classes strided) and unbatched (C,) logits."""
+    xdt = DT[dtype]
+    x = (torch.randn(shape, generator=_gen(12), device="cuda") * 2).to(xdt)
+    tshape = shape[:1] + shape[2:] if len(shape) > 1 else ()
+    t = torch.randint(0, shape[0 if len(shape) == 1 else 1], tshape, generator=_gen(13),
+                      device="cuda")
+    for kw in ({}, dict(reduction="none", label_smoothing=0.1)):
+        mine, ref = cl.CrossEntropyLoss(**kw), torch.nn.CrossEntropyLoss(**kw)
+        xm = x.detach().clone().requires_grad_()
+        xr = x.detach().double().requires_grad_()
+        lm, lr = mine(xm, t), ref(xr, t)
+        assert lm.shape == lr.shape and lm.dtype == ref(x, t).dtype
+        torch.testing.assert_close(lm.double(), lr, rtol=2e-5 if xdt == torch.float32
+                                   else 1e-2, atol=1e-5)
+        lm.double().sum().backward()
+        lr.sum().backward()
+        assert xm.grad.shape == x.shape
+        assert _normwise(xm.grad, xr.grad) <= TOL[xdt][2]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_rms_norm_default_eps_as_torch(cl, dtype):
+    """RMSNorm(eps=None) on rows whose mean square (1e-6) is near the default eps: the
+    output shows which eps was used (torch: float32's for 16-bit and float32 inputs)."""
+    xdt = getattr(torch, dtype)
+    x = (torch.randn(16, 256, generator=_gen(11), device="cuda") * 1e-3).to(xdt)
+    wdts = {xdt, torch.float32} if xdt in (torch.bfloat16, torch.float16) else {xdt}
+    for wdt in wdts:
+        a = torch.nn.RMSNorm(256, device="cuda", dtype=wdt)
+        b = cl.RMSNorm(256, device="cuda", dtype=wdt)
+        ya, yb = a(x), b(x)
+        assert ya.dtype == yb.dtype
+        torch.testing.assert_close(yb.float(), ya.float(), rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

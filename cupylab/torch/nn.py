@@ -18,11 +18,10 @@ for what cupylab does not compute:
 * inputs that are not on a CUDA device, or whose dtype is not float16, bfloat16, float32 or
   float64;
 * ``RMSNorm`` / ``LayerNorm`` whose weight (or bias) dtype is not the input's (a float32
-  weight with a float16 / bfloat16 input excepted);
+  weight with a float16 / bfloat16 input excepted), or whose weight and bias differ in dtype;
 * ``Softmax(dim=None)`` / ``LogSoftmax(dim=None)`` (torch's legacy implicit dimension);
-* ``CrossEntropyLoss`` with class weights (``weight=``), with inputs other than ``(N, C)``
-  logits and ``(N,)`` int64 class indices (unbatched ``(C,)`` inputs, ``(N, C, d1, ...)``
-  inputs, class-probability targets).
+* ``CrossEntropyLoss`` with class weights (``weight=``) or targets other than int64 class
+  indices (class probabilities).
 
 Under autocast, torch's modules run ``layer_norm``, ``softmax``, ``log_softmax`` and
 ``cross_entropy`` in float32 (16-bit inputs are copied to float32 first); the cupylab path
@@ -46,6 +45,9 @@ def _gpu_float(x):
 
 
 _HALVES = (torch.float16, torch.bfloat16)
+# torch.nn.RMSNorm's eps=None: the machine epsilon of the computation (opmath) dtype
+_EPS32 = torch.finfo(torch.float32).eps
+_EPS64 = torch.finfo(torch.float64).eps
 
 
 def _param_ok(p, x):
@@ -61,8 +63,9 @@ class RMSNorm(torch.nn.RMSNorm):
     normalized_shape : int or sequence of int
         The trailing shape normalised over.
     eps : float, optional
-        Added to the mean square; ``None`` as ``torch.nn.RMSNorm`` (the machine epsilon of the
-        computation dtype).
+        Added to the mean square; ``None`` as ``torch.nn.RMSNorm``: the machine epsilon of the
+        computation dtype, ``torch.finfo(torch.float32).eps`` for float16, bfloat16 and float32
+        inputs, ``torch.finfo(torch.float64).eps`` for float64.
     elementwise_affine : bool
         With a learnable ``weight`` (initialised to ones) when True.
     device, dtype
@@ -71,15 +74,18 @@ class RMSNorm(torch.nn.RMSNorm):
     Notes
     -----
     ``forward(x)`` returns ``cupylab.torch.functional.rms_norm(x, normalized_shape, weight,
-    eps)`` for CUDA floating inputs, else ``torch.nn.RMSNorm.forward(x)``. Differentiable in
-    ``x`` and ``weight``.
+    eps)`` for CUDA floating inputs (``eps=None`` resolved here, as above), else
+    ``torch.nn.RMSNorm.forward(x)``. Differentiable in ``x`` and ``weight``.
     """
 
     def forward(self, x):
         """Normalise ``x`` over its trailing ``normalized_shape`` dimensions."""
         if not (_gpu_float(x) and _param_ok(self.weight, x)):
             return super().forward(x)
-        return _F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        eps = self.eps
+        if eps is None:
+            eps = _EPS64 if x.dtype == torch.float64 else _EPS32
+        return _F.rms_norm(x, self.normalized_shape, self.weight, eps)
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -106,7 +112,9 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, x):
         """Normalise ``x`` over its trailing ``normalized_shape`` dimensions."""
-        if not (_gpu_float(x) and _param_ok(self.weight, x) and _param_ok(self.bias, x)):
+        w, b = self.weight, self.bias
+        if not (_gpu_float(x) and _param_ok(w, x) and _param_ok(b, x)
+                and (w is None or b is None or w.dtype == b.dtype)):
             return super().forward(x)
         return _F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
@@ -145,8 +153,7 @@ class LogSoftmax(torch.nn.LogSoftmax):
 
 
 class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
-    """``torch.nn.CrossEntropyLoss`` computed by cupylab for ``(N, C)`` logits and ``(N,)``
-    int64 class indices.
+    """``torch.nn.CrossEntropyLoss`` computed by cupylab for int64 class-index targets.
 
     Parameters
     ----------
@@ -162,16 +169,17 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     Notes
     -----
     ``forward(input, target)`` returns ``cupylab.torch.functional.cross_entropy(input, target,
-    ignore_index, reduction, label_smoothing)`` for CUDA floating ``(N, C)`` inputs with
-    ``(N,)`` int64 targets and no class weights; anything else runs
-    ``torch.nn.CrossEntropyLoss.forward``. Flatten ``(B, T, C)`` logits to ``(B * T, C)``
-    (a view) to stay on cupylab; ``(N, C, d1, ...)`` inputs would need a transposed copy.
+    ignore_index, reduction, label_smoothing)`` for CUDA floating ``(C,)``, ``(N, C)`` or
+    ``(N, C, d1, ...)`` inputs with int64 class indices of shape ``()``, ``(N,)`` or ``(N, d1,
+    ...)`` and no class weights; anything else runs ``torch.nn.CrossEntropyLoss.forward``.
+    ``(N, C)`` logits are read row by row, once (flatten ``(B, T, C)`` language-model logits
+    to ``(B * T, C)``, a view); the class dimension of ``(N, C, d1, ...)`` inputs is strided.
     """
 
     def forward(self, input, target):  # noqa: A002 - torch's parameter name
         """The loss of ``input`` logits against ``target`` class indices."""
-        if (self.weight is not None or input.dim() != 2 or target.dim() != 1
-                or target.dtype != torch.int64 or not _gpu_float(input)):
+        if (self.weight is not None or target.dtype != torch.int64
+                or target.dim() != input.dim() - 1 or not _gpu_float(input)):
             return super().forward(input, target)
         return _F.cross_entropy(input, target, ignore_index=self.ignore_index,
                                 reduction=self.reduction, label_smoothing=self.label_smoothing)
