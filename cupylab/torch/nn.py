@@ -24,8 +24,9 @@ for what cupylab does not compute:
   indices (class probabilities).
 
 Under autocast, torch's modules run ``layer_norm``, ``softmax``, ``log_softmax`` and
-``cross_entropy`` in float32 (16-bit inputs are copied to float32 first); the cupylab path
-reads 16-bit inputs as they are and accumulates in float32.
+``cross_entropy`` in float32 (16-bit inputs are copied to float32 first, and the outputs are
+float32); autocast does not cast cupylab's operators: 16-bit inputs are read as they are,
+accumulated in float32, and the outputs keep the input's dtype.
 """
 from __future__ import annotations
 
