@@ -429,7 +429,8 @@ def test_example_check_logic(example):
     base = [10.0, 8.0, 6.0, 5.0]
 
     def recs(**curves):
-        return {m: dict(mode=m, losses=v, swapped=0) for m, v in curves.items()}
+        return {m: dict(mode=m, losses=v, swapped=0, loss_dtype="float32")
+                for m, v in curves.items()}
 
     ok, lines, s = example.check(recs(torch=base, cupylab=[10.0, 8.01, 6.0, 5.05]), 0.02)
     assert ok and s["bound"] == 0.02 and s["pairs"][0]["rel"] == pytest.approx(0.01)
@@ -474,6 +475,7 @@ def test_example_main_on_cpu(cl, example, no_functional, monkeypatch, tmp_path):
     assert rc == 0 and res["ok"] and list(res["records"]) == ["torch", "torch-alt", "cupylab"]
     recs = res["records"]
     assert recs["cupylab"]["swapped"] == 4 and recs["torch"]["swapped"] == 0
+    assert recs["torch"]["loss_dtype"] == "float32"  # autocast runs cross_entropy in float32
     assert all(len(r["losses"]) == 4 for r in recs.values())
     assert recs["cupylab"]["losses"][0] == recs["torch"]["losses"][0]  # same init, same data
     assert res["check"]["floor"] == recs["torch-alt"]["rel_dist"]

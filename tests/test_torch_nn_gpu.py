@@ -186,6 +186,22 @@ def test_output_dtypes_match_torch(cl, dtype):
             assert b(x).dtype == a(x).dtype, (name, pdt)
 
 
+def test_autocast_output_dtypes(cl):
+    """Under bf16 autocast: the norms and softmaxes keep a 16-bit input's dtype (torch's
+    modules return float32 there; see cupylab.torch.nn's docstring), and the loss is float32
+    as torch's, not rounded to bfloat16."""
+    x = torch.randn(4, 64, device="cuda").bfloat16()
+    t = torch.randint(0, 64, (4,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for m in (cl.RMSNorm(64, device="cuda"), cl.LayerNorm(64, device="cuda"),
+                  cl.Softmax(-1), cl.LogSoftmax(-1)):
+            assert m(x).dtype == torch.bfloat16, type(m).__name__
+        loss, ref = cl.CrossEntropyLoss()(x, t), torch.nn.CrossEntropyLoss()(x, t)
+    assert ref.dtype == torch.float32
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_no_grad_path_matches(cl):
     g = _gen(8)
     x = torch.randn(33, 512, generator=g, device="cuda").bfloat16()

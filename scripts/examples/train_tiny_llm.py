@@ -147,7 +147,7 @@ def run_mode(mode, args, init_state, data):
         ev = [[None, None] for _ in range(args.steps)]
     losses = []
     sync()
-    first = None
+    first = loss_dtype = None
     for i in range(args.steps):
         t0 = time.perf_counter()
         _mark(ev[i], 0, cuda)
@@ -158,12 +158,14 @@ def run_mode(mode, args, init_state, data):
         opt.zero_grad(set_to_none=True)
         _mark(ev[i], 1, cuda)
         losses.append(loss.detach().float())
+        loss_dtype = str(loss.dtype).replace("torch.", "")
         if i == 0:
             sync()
             first = time.perf_counter() - t0
     sync()
     ms = [(a.elapsed_time(b) if cuda else (b - a) * 1e3) for a, b in ev[args.warmup:]]
-    rec = dict(mode=mode, swapped=swapped, losses=torch.stack(losses).cpu().tolist(),
+    rec = dict(mode=mode, swapped=swapped, loss_dtype=loss_dtype,
+               losses=torch.stack(losses).cpu().tolist(),
                first_step_s=first,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
                median_ms=statistics.median(ms) if ms else float("nan"),
@@ -246,6 +248,10 @@ def report(records, args, ok, lines, summary):
     swapped = {r["mode"]: r["swapped"] for r in records.values() if r["swapped"]}
     if swapped:
         print(f"modules swapped to cupylab: {swapped} (expected {2 * args.layers + 2})")
+    low = {r["mode"]: r["loss_dtype"] for r in records.values()
+           if r["loss_dtype"] in ("bfloat16", "float16")}
+    if low:
+        print(f"losses returned in 16 bits (rounded to 8 or 11 significant bits): {low}")
     if summary["floor"] is not None:
         print(f"noise floor (torch-alt vs torch): max relative {summary['floor']:.3e}")
     for ln in lines:
