@@ -129,6 +129,9 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
             if inplace:
                 raise TypeError(f"{opname}: inplace=True is not supported with Dask arrays "
                                 "(they are immutable); use the returned h")
+            if return_stats:
+                raise TypeError(f"{opname}: return_stats=True is not supported with Dask "
+                                "arrays")
             if getattr(x, "dtype", None) != getattr(residual, "dtype", None):
                 raise TypeError(f"{opname}: x and residual must have one dtype (got "
                                 f"{getattr(x, 'dtype', None)} and "

@@ -125,15 +125,16 @@ def _cross_entropy_setup(ctx, inputs, output):
 
 def _cross_entropy_backward(k, ctx, dloss, _ddlogits):
     if dloss is None:
-        return (None,) * 6
+        return (None,) * 7
     if not ctx.has_grad:
         raise RuntimeError("cupylab::cross_entropy: the forward ran with compute_grad=False, "
                            "so no input gradient was written; call it with compute_grad=True "
                            "to differentiate it")
     (dlogits,) = ctx.saved_tensors
+    dloss = dloss.to(dlogits.dtype)  # a float32 loss (autocast) keeps the logits' dtype
     if ctx.reduction == "none":
         dloss = dloss.unsqueeze(-1)
-    return (dlogits * dloss, None, None, None, None, None)
+    return (dlogits * dloss, None, None, None, None, None, None)
 
 
 # -- elementwise ------------------------------------------------------------------------------

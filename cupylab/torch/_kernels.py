@@ -127,24 +127,34 @@ def add_rms_norm_(x, residual, weight, eps):
 
 
 # -- cross-entropy ----------------------------------------------------------------------------
-def cross_entropy_loss(logits, target, ignore_index, reduction, label_smoothing):
-    """The loss alone, in the logits' dtype (torch's ``F.cross_entropy`` dtype)."""
+def _loss_dtype(logits, fp32_loss):
+    return torch.float32 if fp32_loss else logits.dtype
+
+
+def cross_entropy_loss(logits, target, ignore_index, reduction, label_smoothing,
+                       fp32_loss=False):
+    """The loss alone, in the logits' dtype (torch's ``F.cross_entropy`` dtype), or float32
+    with ``fp32_loss`` (torch's under autocast); the kernel computes it in float32."""
     loss = cupylab.cross_entropy(_rows(logits), target, ignore_index, label_smoothing,
                                  reduction)
-    return loss if loss.dtype == logits.dtype else loss.to(logits.dtype)
+    dt = _loss_dtype(logits, fp32_loss)
+    return loss if loss.dtype == dt else loss.to(dt)
 
 
-def cross_entropy(logits, target, ignore_index, reduction, label_smoothing, compute_grad):
+def cross_entropy(logits, target, ignore_index, reduction, label_smoothing, compute_grad,
+                  fp32_loss=False):
     """``(loss, dlogits)`` with the class axis last: ``dlogits`` is the gradient of the
     returned loss (of the sum of the row losses for ``"none"``), written during the forward
     pass, or a (0,)-shaped tensor when ``compute_grad`` is false. ``loss`` is in the logits'
-    dtype."""
+    dtype, or float32 with ``fp32_loss``."""
     if not compute_grad:
-        loss = cross_entropy_loss(logits, target, ignore_index, reduction, label_smoothing)
+        loss = cross_entropy_loss(logits, target, ignore_index, reduction, label_smoothing,
+                                  fp32_loss)
         return loss, logits.new_empty((0,))
     loss, dx = cupylab.cross_entropy(_rows(logits), target, ignore_index, label_smoothing,
                                      reduction, return_grad=True)
-    return (loss if loss.dtype == logits.dtype else loss.to(logits.dtype)), dx
+    dt = _loss_dtype(logits, fp32_loss)
+    return (loss if loss.dtype == dt else loss.to(dt)), dx
 
 
 # -- elementwise ------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ SCHEMAS = {
     "add_rms_norm_": ("(Tensor x, Tensor(a!) residual, Tensor? weight, float eps) -> Tensor",
                       ("residual",)),
     "cross_entropy": ("(Tensor logits, Tensor target, int ignore_index, str reduction, "
-                      "float label_smoothing, bool compute_grad) -> (Tensor, Tensor)", ()),
+                      "float label_smoothing, bool compute_grad, bool fp32_loss=False) -> "
+                      "(Tensor, Tensor)", ()),
     "add": ("(Tensor a, Tensor b) -> Tensor", ()),
     "subtract": ("(Tensor a, Tensor b) -> Tensor", ()),
     "multiply": ("(Tensor a, Tensor b) -> Tensor", ()),
@@ -121,8 +122,9 @@ def _add_rms_norm_fake(x, residual, weight, eps):
 
 
 def _cross_entropy_fake(logits, target, ignore_index, reduction, label_smoothing,
-                        compute_grad):
-    loss = logits.new_empty(logits.shape[:-1] if reduction == "none" else ())
+                        compute_grad, fp32_loss=False):
+    loss = logits.new_empty(logits.shape[:-1] if reduction == "none" else (),
+                            dtype=torch.float32 if fp32_loss else logits.dtype)
     return loss, logits.new_empty(logits.shape if compute_grad else (0,))
 
 

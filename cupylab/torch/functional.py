@@ -209,7 +209,8 @@ def _eps(fn, eps, x):
     if eps is None:
         if not x.is_floating_point():
             raise TypeError(f"{_name(fn)}: x must be a floating-point tensor (got {x.dtype})")
-        return torch.finfo(x.dtype).eps
+        # torch (>= 2.7) uses float32's machine epsilon for 16-bit inputs
+        return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"{_name(fn)}: eps must be a non-negative number (got {eps!r})")
     return float(eps)
@@ -229,7 +230,8 @@ def rms_norm(x, normalized_shape, weight=None, eps=None):
     weight : torch.Tensor, optional
         Shape ``normalized_shape``; ``x``'s dtype, or float32 with 16-bit ``x``.
     eps : float, optional
-        Default ``torch.finfo(x.dtype).eps``, as torch.
+        Default: the machine epsilon of float32 (of float64 for float64 ``x``), as torch
+        (>= 2.7) computes it for 16-bit inputs too.
 
     Returns
     -------
@@ -421,7 +423,8 @@ def cross_entropy(input, target, ignore_index=-100, reduction="mean", label_smoo
     -------
     torch.Tensor
         0-d for ``"mean"`` / ``"sum"``, ``target``'s shape for ``"none"``; in ``input``'s dtype
-        (computed in float32, float64 for float64).
+        (computed in float32, float64 for float64), or float32 for 16-bit ``input`` under
+        CUDA autocast (as torch, which autocasts cross-entropy to float32).
 
     Raises
     ------
@@ -459,13 +462,18 @@ def cross_entropy(input, target, ignore_index=-100, reduction="mean", label_smoo
         raise ValueError(f"{_name(fn)}: target must have shape {tuple(logits.shape[:-1])} for "
                          f"input of shape {tuple(input.shape)} (got {tuple(target.shape)})")
     ls = float(label_smoothing)
+    # under autocast torch computes cross-entropy in float32 and returns a float32 loss; the
+    # kernel reads 16-bit logits as they are and accumulates in float32 anyway
+    f32 = (logits.dtype in (torch.float16, torch.bfloat16)
+           and torch.is_autocast_enabled("cuda"))
     if _compiling():
         need = input.requires_grad and _grad_enabled()
         return torch.ops.cupylab.cross_entropy(logits, target, ignore_index, reduction, ls,
-                                               need)[0]
+                                               need, f32)[0]
     if input.requires_grad and _grad_enabled():
-        return _F["cross_entropy"].apply(logits, target, ignore_index, reduction, ls, True)[0]
-    return _kernels.cross_entropy_loss(logits, target, ignore_index, reduction, ls)
+        return _F["cross_entropy"].apply(logits, target, ignore_index, reduction, ls, True,
+                                         f32)[0]
+    return _kernels.cross_entropy_loss(logits, target, ignore_index, reduction, ls, f32)
 
 
 # -- elementwise ------------------------------------------------------------------------------
