@@ -183,7 +183,11 @@ def test_output_dtypes_match_torch(cl, dtype):
         for pdt in ({xdt, torch.float32} if args[0] == 64 else {None}):
             kw = {} if pdt is None else dict(device="cuda", dtype=pdt)
             a, b = getattr(torch.nn, name)(*args, **kw), getattr(cl, name)(*args, **kw)
-            assert b(x).dtype == a(x).dtype, (name, pdt)
+            try:
+                want = a(x).dtype
+            except RuntimeError:  # torch's LayerNorm refuses float32 params with 16-bit x
+                want = xdt        # cupylab computes that mixed-precision form
+            assert b(x).dtype == want, (name, pdt)
 
 
 def test_autocast_output_dtypes(cl):

@@ -14,6 +14,8 @@ first: cupylab's row kernels take any strides whose leading dimensions merge int
 levels, which up to two leading dimensions always do.
 """
 
+import torch
+
 import cupylab
 
 __all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "rms_norm",
