@@ -119,7 +119,7 @@ CONFIGS = [
     ("LogSoftmax", (-1,), {}),
     ("CrossEntropyLoss", (), {}),
     ("CrossEntropyLoss", (), dict(ignore_index=2, reduction="sum", label_smoothing=0.1)),
-    ("CrossEntropyLoss", (), dict(weight=torch.rand(5))),
+    ("CrossEntropyLoss", (), dict(weight=torch.linspace(0.5, 1.5, 5))),
     ("CrossEntropyLoss", (), dict(size_average=False)),
 ]
 
