@@ -97,11 +97,11 @@ if has sanitizer && command -v "$SAN" >/dev/null 2>&1; then
 fi
 
 if has tests; then
-  par=()
-  # -v with xdist: one line per test as it finishes, so a run cut short by its time cap still
-  # names what failed
+  par=(-q)
+  # -v (and no -q, which would cancel it) with xdist: one line per test as it finishes, so a
+  # run cut short by its time cap still names what failed
   $PY -c 'import xdist' 2>/dev/null && par=(-n "${TEST_JOBS:-$(( JOBS > 12 ? 12 : JOBS ))}" -v)
-  timeout "${T_TESTS:-300}" $PY -m pytest -q -p no:cacheprovider -rs "${par[@]}" "$T" ${PYTEST_ARGS:-} \
+  timeout "${T_TESTS:-300}" $PY -m pytest -p no:cacheprovider -rs "${par[@]}" "$T" ${PYTEST_ARGS:-} \
     > "$OUT/pytest.log" 2>&1
   say "pytest, all tests (rc=$?): $(tail -n 1 "$OUT/pytest.log")  [$(( $(date +%s) - t0 )) s]"
   say "  $(grep -cE " PASSED " "$OUT/pytest.log") passed, $(grep -cE " FAILED " "$OUT/pytest.log") failed, $(grep -cE " SKIPPED " "$OUT/pytest.log") skipped (per-test lines)"

@@ -8,7 +8,7 @@ Every table in docs/perf.md sits between two marker comments::
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
 (``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
-``mixed.json``, ``rowwise.json``), the Dask example's ``dask.json`` and the
+``mixed.json``, ``rowwise.json``), the Dask example's ``dask.json``, the training example's ``train_tiny_llm.json`` and the
 command file, and leaves every other line (the prose) alone. The per-case tables are formatted
 by :mod:`cupylab.bench._report`, the same code that prints them on the command line.
 
@@ -233,12 +233,35 @@ def t_dask(data):
 
 
 DASK = "dask.json"  # scripts/examples/dask_chain.py --json (its own schema)
+TRAIN = "train_tiny_llm.json"  # scripts/examples/train_tiny_llm.py --json
+
+
+def t_train(data):
+    d = data[TRAIN]
+    a = d["args"]
+    head = (f"`python scripts/examples/train_tiny_llm.py --steps {a['steps']}` on {d['device']} "
+            f"(torch {d['torch']}): d_model {a['d_model']}, {a['layers']} layers, seq "
+            f"{a['seq']}, batch {a['batch']}, vocab {a['vocab']}, bf16 autocast; step time by "
+            f"CUDA events, median over the steps after the first {a['warmup']}; loss distance "
+            f"to the torch mode of the same kind (eager or compiled), bound "
+            f"{d['check']['bound']:g} relative (noise floor {d['check']['floor']:.1e}).")
+    peer = {"cupylab": "torch", "cupylab-compile": "torch-compile"}
+    recs = d["records"]
+    rows = []
+    for m, r in recs.items():
+        ratio = (f"{recs[peer[m]]['median_ms'] / r['median_ms']:.2f}" if m in peer else "")
+        rows.append([m, f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}-{r['p90_ms']:.2f}",
+                     f"{r['first_step_s']:.1f}", f"{r['peak_mem_gb']:.2f}",
+                     f"{r['rel_dist']:.1e}", ratio])
+    return [head, ""] + _table(["mode", "ms/step", "p10-p90", "1st step s", "peak GB",
+                                "max rel loss dist", "torch / cupylab"], rows,
+                               [False, True, True, True, True, True, True])
 
 
 TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "fusion": t_fusion,
           "repeats": t_repeats, "host": t_host, "graphs": t_graphs, "mixed": t_mixed,
-          "rowwise": t_rowwise, "dask": t_dask}
+          "rowwise": t_rowwise, "dask": t_dask, "train": t_train}
 
 
 # ----------------------------------------------------------------------------- the page
@@ -250,6 +273,10 @@ def load_data(data_dir: Path) -> dict:
             raise ValueError("not schema cupylab-dask-example/1")
     except (OSError, ValueError) as e:
         raise DocError(f"{data_dir / DASK}: {e}") from None
+    try:
+        data[TRAIN] = json.loads((data_dir / TRAIN).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DocError(f"{data_dir / TRAIN}: {e}") from None
     for name in FILES:
         try:
             data[name] = _report.load(data_dir / name)
