@@ -256,3 +256,65 @@ def _np_float32():
     import numpy as np  # noqa: PLC0415
 
     return np.dtype(np.float32)
+
+
+def norm_backward(name, fn, dy, x, weight, stats, stream):
+    """The lazy gradients of a norm's backward ``fn`` (:func:`cupylab.rms_norm_backward` or
+    :func:`cupylab.layer_norm_backward`) on Dask arrays: ``dx`` chunk by chunk (whole rows,
+    the statistics' chunks aligned with the rows'), and the weight (and bias) gradients as
+    Dask's float32 sum of every chunk's own, cast to the weight's dtype. The chunk's kernel
+    runs once for ``dx`` and once more for the weight gradients (two tasks per chunk).
+    ``stats``: ``(name, array)`` pairs, the forward's statistics in ``fn``'s order."""
+    _refuse_out_stream(name, None, stream)
+    if is_dask(weight):
+        raise TypeError(f"{name}: weight must be a GPU array (it is small: one copy goes to "
+                        "every chunk), not a Dask array")
+    import dask.array as da  # noqa: PLC0415
+    from dask.array.utils import meta_from_array  # noqa: PLC0415
+
+    dyd, xd = _as_dask(name, "dy", dy), _as_dask(name, "x", x)
+    nd = xd.ndim
+    if nd == 0:
+        raise ValueError(f"{name}: x must have at least one dimension (got a 0-d array)")
+    if dyd.shape != xd.shape:
+        raise ValueError(f"{name}: dy has shape {dyd.shape}, expected {xd.shape}")
+    xd = _whole_rows(name, "x", xd, nd - 1)
+    dyd = _whole_rows(name, "dy", dyd, nd - 1).rechunk(xd.chunks)
+    st = []
+    for pname, a in stats:
+        a = _as_dask(name, pname, a)
+        if a.shape != xd.shape[:-1]:
+            raise ValueError(f"{name}: {pname} must have shape {xd.shape[:-1]} (one value per "
+                             f"row); got {a.shape}")
+        st.append(a.rechunk(xd.chunks[:-1]))
+    rows = tuple(range(nd - 1))
+    full = rows + (nd - 1,)
+    args = [dyd, full, xd, full]
+    for a in st:
+        args += [a, rows]
+    dx = da.blockwise(functools.partial(_nb_call, fn, weight, None), full, *args,
+                      dtype=xd.dtype, concatenate=True,
+                      meta=meta_from_array(xd._meta, ndim=nd, dtype=xd.dtype))
+    if weight is None:
+        return (dx, None, None) if len(stats) == 2 else (dx, None)
+    import numpy as np  # noqa: PLC0415
+
+    f32 = np.dtype(np.float32)
+    grads = [dx]
+    for k in range(1, len(stats) + 1):  # dweight; for layer_norm also dbias
+        part = da.blockwise(functools.partial(_nb_call, fn, weight, k), full, *args,
+                            dtype=f32, concatenate=True, adjust_chunks={i: 1 for i in rows},
+                            meta=meta_from_array(xd._meta, ndim=nd, dtype=f32))
+        g = part.sum(axis=rows, dtype=f32) if rows else part
+        grads.append(g.astype(weight.dtype))
+    return tuple(grads)
+
+
+def _nb_call(fn, weight, which, dy, x, *stats):
+    """One chunk's backward: ``dx`` (``which`` None), or output ``which`` (the weight or bias
+    gradient) as float32 of shape ``(1, ..., 1, n)``, one per chunk of rows."""
+    r = fn(dy, x, weight, *stats)
+    if which is None:
+        return r[0]
+    g = r[which]
+    return g.astype("float32").reshape((1,) * (x.ndim - 1) + g.shape)

@@ -192,8 +192,8 @@ def test_rowwise_refusals():
 
 def test_operators_without_dask_support_say_so():
     x = chunked(np.ones((4, 6), np.float32), (2, 3))
-    with pytest.raises(TypeError, match="dy is a Dask array, which this operator does not"):
-        cupylab.rms_norm_backward(x, x, None, chunked(np.ones(4, np.float32), 2))
+    with pytest.raises(TypeError, match=r"foreach.add_: tensors\[0\] is a Dask array"):
+        cupylab.foreach.add_([x], 1.0)
 
 
 def test_add_rms_norm_returns_y_and_h(numpy_chunks, numpy_rows):
@@ -258,3 +258,79 @@ def test_cross_entropy_dask_errors():
         cupylab.cross_entropy(x, chunked(np.zeros(4, np.int64), 2), return_lse=True)
     with pytest.raises(TypeError, match="cross_entropy: stream= is not supported"):
         cupylab.cross_entropy(x, chunked(np.zeros(4, np.int64), 2), stream=0)
+
+
+@pytest.fixture
+def numpy_norm_bwd(monkeypatch):
+    """Each chunk's norm backward done by NumPy (float64), in the chunk call's shapes."""
+    seen = []
+
+    def nb_call(fn, weight, which, dy, x, *stats):
+        seen.append((fn.__name__, which, x.shape, [s.shape for s in stats]))
+        dy, x = np.asarray(dy, np.float64), np.asarray(x, np.float64)
+        w = np.ones(x.shape[-1]) if weight is None else np.asarray(weight, np.float64)
+        rstd = np.asarray(stats[-1], np.float64)[..., None]
+        mean = np.asarray(stats[0], np.float64)[..., None] if len(stats) == 2 else 0.0
+        xh = (x - mean) * rstd
+        g = dy * w
+        if len(stats) == 2:
+            dx = rstd * (g - g.mean(-1, keepdims=True) - xh * (g * xh).mean(-1, keepdims=True))
+        else:
+            dx = rstd * (g - xh * (g * xh).mean(-1, keepdims=True))
+        if which is None:
+            return dx.view(Chunk)
+        red = tuple(range(x.ndim - 1))
+        part = (dy * xh).sum(red) if which == 1 else dy.sum(red)
+        return part.astype(np.float32).reshape((1,) * (x.ndim - 1) + part.shape).view(Chunk)
+
+    monkeypatch.setattr(_dask, "_nb_call", nb_call)
+    return seen
+
+
+def _np_norm(x, layer):
+    mean = x.mean(-1) if layer else np.zeros(x.shape[:-1])
+    xc = x - mean[..., None]
+    rstd = 1 / np.sqrt((xc ** 2).mean(-1) + 1e-6)
+    return mean, rstd
+
+
+@pytest.mark.parametrize("layer", [False, True])
+def test_norm_backward_on_chunks(numpy_norm_bwd, layer):
+    rng = np.random.default_rng(7)
+    x, dy = rng.standard_normal((3, 20, 16)), rng.standard_normal((3, 20, 16))
+    w = np.linspace(0.5, 2, 16).astype(np.float32)
+    mean, rstd = _np_norm(x, layer)
+    xd, dyd = chunked(x, (2, 7, 8)), chunked(dy, (3, 5, 16))
+    if layer:
+        dx, dw, db = cupylab.layer_norm_backward(dyd, xd, w, chunked(mean, (1, 20)),
+                                                 chunked(rstd, (3, 9)))
+    else:
+        dx, dw = cupylab.rms_norm_backward(dyd, xd, w, chunked(rstd, (3, 9)))
+    assert dx.shape == x.shape and dx.chunks[-1] == (16,) and type(dx._meta) is Chunk
+    assert dw.shape == (16,) and dw.dtype == np.float32
+    xh = (x - (mean[..., None] if layer else 0)) * rstd[..., None]
+    np.testing.assert_allclose(np.asarray(dw.compute(scheduler="sync")),
+                               (dy * xh).sum((0, 1)), rtol=1e-5)
+    if layer:
+        np.testing.assert_allclose(np.asarray(db.compute(scheduler="sync")), dy.sum((0, 1)),
+                                   rtol=1e-5)
+    dxv = np.asarray(dx.compute(scheduler="sync"))
+    g = dy * w
+    mg = g.mean(-1, keepdims=True) if layer else 0
+    ref = rstd[..., None] * (g - mg - xh * (g * xh).mean(-1, keepdims=True))
+    np.testing.assert_allclose(dxv, ref, rtol=1e-6)
+    assert all(shape[-1] == 16 and [s for s in st] == [shape[:-1]] * len(st)
+               for _, _, shape, st in numpy_norm_bwd)  # whole rows, statistics aligned
+    nogw = cupylab.rms_norm_backward(dyd, xd, None, chunked(rstd, 20))
+    assert nogw[1] is None
+
+
+def test_norm_backward_dask_errors():
+    x = chunked(np.ones((4, 6), np.float32), (2, 3))
+    r = chunked(np.ones(4, np.float32), 2)
+    with pytest.raises(ValueError, match=r"rms_norm_backward: rstd must have shape \(4,\)"):
+        cupylab.rms_norm_backward(x, x, None, chunked(np.ones(5, np.float32), 5))
+    with pytest.raises(TypeError, match="rms_norm_backward: weight must be a GPU array"):
+        cupylab.rms_norm_backward(x, x, chunked(np.ones(6, np.float32), 3), r)
+    with pytest.raises(ValueError, match=r"layer_norm_backward: dy has shape \(4, 5\)"):
+        cupylab.layer_norm_backward(chunked(np.ones((4, 5), np.float32), 2), x, None, r, r)

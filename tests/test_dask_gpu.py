@@ -63,6 +63,20 @@ def test_add_rms_norm_and_cross_entropy_on_chunks():
                                                               label_smoothing=0.1), rtol=1e-5)
 
 
+def test_norm_backward_on_chunks():
+    a, _, w = _data((1000, 257))
+    dy = cp.random.default_rng(14).standard_normal(a.shape, dtype=cp.float32)
+    y, mean, rstd = cupylab.layer_norm(a, w, None, 1e-5, return_stats=True)
+    want = cupylab.layer_norm_backward(dy, a, w, mean, rstd)
+    x = da.from_array(a, chunks=(300, 100), asarray=False)
+    got = cupylab.layer_norm_backward(da.from_array(dy, chunks=(250, 257), asarray=False), x, w,
+                                      mean, rstd)
+    got = da.compute(*got, scheduler="threads")
+    cp.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    cp.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-3)
+    cp.testing.assert_allclose(got[2], want[2], rtol=1e-4, atol=1e-3)
+
+
 def test_local_cluster():
     distributed = pytest.importorskip("distributed")
     a, b, w = _data((512, 128))

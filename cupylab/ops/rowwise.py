@@ -370,6 +370,10 @@ _doc(log_softmax_backward, """Gradient of :func:`log_softmax` over the last axis
 
 
 def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
+    if any(_dask.is_dask(a) for a in (dy, x, mean, rstd)):
+        stats = [("mean", mean)] if opname == "layer_norm_backward" else []
+        return _dask.norm_backward(opname, globals()[opname], dy, x, weight,
+                                   stats + [("rstd", rstd)], stream)
     c = rc.gather(opname, {"dy": dy, "x": x, "weight": weight, "mean": mean, "rstd": rstd},
                   stream)
     v = c.views
