@@ -507,49 +507,28 @@ _BINARY_DOC = """``{expr}`` for two CUDA tensors, like ``torch.{torch_name}(inpu
 """
 
 
-def add(input, other):
-    _binary_args("add", input, other)
-    if _compiling():
-        return torch.ops.cupylab.add(input, other)
-    if _wants_grad(input, other):
-        return _F["add"].apply(input, other)
-    return _kernels.add(input, other)
+def _binary(name, expr, extra=""):
+    """The public function of the binary operator ``name`` (the dispatch rule of this
+    module: registered operator while compiling, autograd Function with grad, else the
+    kernel)."""
+    def f(input, other):
+        _binary_args(name, input, other)
+        if _compiling():
+            return getattr(torch.ops.cupylab, name)(input, other)
+        if _wants_grad(input, other):
+            return _F[name].apply(input, other)
+        return getattr(_kernels, name)(input, other)
+
+    f.__name__ = f.__qualname__ = name
+    f.__doc__ = _BINARY_DOC.format(expr=expr, torch_name=name, extra=extra)
+    return f
 
 
-def subtract(input, other):
-    _binary_args("subtract", input, other)
-    if _compiling():
-        return torch.ops.cupylab.subtract(input, other)
-    if _wants_grad(input, other):
-        return _F["subtract"].apply(input, other)
-    return _kernels.subtract(input, other)
-
-
-def multiply(input, other):
-    _binary_args("multiply", input, other)
-    if _compiling():
-        return torch.ops.cupylab.multiply(input, other)
-    if _wants_grad(input, other):
-        return _F["multiply"].apply(input, other)
-    return _kernels.multiply(input, other)
-
-
-def divide(input, other):
-    _binary_args("divide", input, other)
-    if _compiling():
-        return torch.ops.cupylab.divide(input, other)
-    if _wants_grad(input, other):
-        return _F["divide"].apply(input, other)
-    return _kernels.divide(input, other)
-
-
-add.__doc__ = _BINARY_DOC.format(expr="input + other", torch_name="add", extra="")
-subtract.__doc__ = _BINARY_DOC.format(expr="input - other", torch_name="subtract",
-                                      extra=" (bool tensors refused, as torch)")
-multiply.__doc__ = _BINARY_DOC.format(expr="input * other", torch_name="multiply", extra="")
-divide.__doc__ = _BINARY_DOC.format(
-    expr="input / other", torch_name="divide",
-    extra=" (true division: integers give the default float dtype)")
+add = _binary("add", "input + other")
+subtract = _binary("subtract", "input - other", " (bool tensors refused, as torch)")
+multiply = _binary("multiply", "input * other")
+divide = _binary("divide", "input / other",
+                 " (true division: integers give the default float dtype)")
 
 
 def fused_add_mul(a, b, s):
