@@ -292,29 +292,29 @@ def norm_backward(name, fn, dy, x, weight, stats, stream):
     args = [dyd, full, xd, full]
     for a in st:
         args += [a, rows]
-    dx = da.blockwise(functools.partial(_nb_call, fn, weight, None), full, *args,
+    dx = da.blockwise(functools.partial(_nb_call, fn, weight, False), full, *args,
                       dtype=xd.dtype, concatenate=True,
                       meta=meta_from_array(xd._meta, ndim=nd, dtype=xd.dtype))
     if weight is None:
         return (dx, None, None) if len(stats) == 2 else (dx, None)
-    import numpy as np  # noqa: PLC0415
-
-    f32 = np.dtype(np.float32)
-    grads = [dx]
-    for k in range(1, len(stats) + 1):  # dweight; for layer_norm also dbias
-        part = da.blockwise(functools.partial(_nb_call, fn, weight, k), full, *args,
-                            dtype=f32, concatenate=True, adjust_chunks={i: 1 for i in rows},
-                            meta=meta_from_array(xd._meta, ndim=nd, dtype=f32))
-        g = part.sum(axis=rows, dtype=f32) if rows else part
-        grads.append(g.astype(weight.dtype))
-    return tuple(grads)
+    k = len(stats)  # weight gradients: dweight, and dbias for layer_norm
+    f32 = _np_float32()
+    part = da.blockwise(functools.partial(_nb_call, fn, weight, True), rows + (nd, nd - 1),
+                        *args, new_axes={nd: k}, adjust_chunks={i: 1 for i in rows},
+                        dtype=f32, concatenate=True,
+                        meta=meta_from_array(xd._meta, ndim=nd + 1, dtype=f32))
+    g = part.sum(axis=rows, dtype=f32).astype(weight.dtype)
+    return (dx,) + tuple(g[j] for j in range(k))
 
 
-def _nb_call(fn, weight, which, dy, x, *stats):
-    """One chunk's backward: ``dx`` (``which`` None), or output ``which`` (the weight or bias
-    gradient) as float32 of shape ``(1, ..., 1, n)``, one per chunk of rows."""
+def _nb_call(fn, weight, grads, dy, x, *stats):
+    """One chunk's backward: ``dx``, or with ``grads`` its weight gradients (dweight, and
+    dbias for layer_norm) stacked in float32, shape ``(1, ..., 1, k, n)``: one per chunk of
+    rows."""
+    import numpy as np  # noqa: PLC0415 - dispatches to the chunk's array type (NEP 18)
+
     r = fn(dy, x, weight, *stats)
-    if which is None:
+    if not grads:
         return r[0]
-    g = r[which]
-    return g.astype("float32").reshape((1,) * (x.ndim - 1) + g.shape)
+    g = np.stack([w.astype("float32") for w in r[1:]])
+    return g.reshape((1,) * (x.ndim - 1) + g.shape)

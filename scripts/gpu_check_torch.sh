@@ -35,22 +35,8 @@ PYEOF
 summary+=("env: $(tail -n 1 "$OUT/env.log")")
 
 if has compile; then
-  $PY - > "$OUT/compile.log" 2>&1 <<'PYEOF'
-import concurrent.futures as cf, os, time
-from cupylab import _compile, _runtime
-from cupylab.ops import _rowcore as rc
-cc = _runtime.device_info(0).cc
-def one(i):
-    p = rc.all_programs()[i]
-    t = time.time()
-    _compile.compile_program(p, cc)
-    return p.name_expressions[0], time.time() - t
-t = time.time()
-with cf.ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex:
-    for name, dt in ex.map(one, range(len(rc.all_programs()))):
-        print(f"{dt:6.1f}s {name}")
-print(f"compiled {len(rc.all_programs())} programs for sm_{cc} in {time.time() - t:.1f}s")
-PYEOF
+  cc=$($PY -c 'from cupylab import _runtime; print(_runtime.device_info(0).cc)')
+  $PY -m cupylab precompile --arch "sm_$cc" --families rowwise > "$OUT/compile.log" 2>&1
   summary+=("compile (rc=$?): $(tail -n 1 "$OUT/compile.log")")
   stamp "compile done"
 fi

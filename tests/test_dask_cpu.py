@@ -265,8 +265,8 @@ def numpy_norm_bwd(monkeypatch):
     """Each chunk's norm backward done by NumPy (float64), in the chunk call's shapes."""
     seen = []
 
-    def nb_call(fn, weight, which, dy, x, *stats):
-        seen.append((fn.__name__, which, x.shape, [s.shape for s in stats]))
+    def nb_call(fn, weight, grads, dy, x, *stats):
+        seen.append((fn.__name__, grads, x.shape, [s.shape for s in stats]))
         dy, x = np.asarray(dy, np.float64), np.asarray(x, np.float64)
         w = np.ones(x.shape[-1]) if weight is None else np.asarray(weight, np.float64)
         rstd = np.asarray(stats[-1], np.float64)[..., None]
@@ -277,11 +277,11 @@ def numpy_norm_bwd(monkeypatch):
             dx = rstd * (g - g.mean(-1, keepdims=True) - xh * (g * xh).mean(-1, keepdims=True))
         else:
             dx = rstd * (g - xh * (g * xh).mean(-1, keepdims=True))
-        if which is None:
+        if not grads:
             return dx.view(Chunk)
         red = tuple(range(x.ndim - 1))
-        part = (dy * xh).sum(red) if which == 1 else dy.sum(red)
-        return part.astype(np.float32).reshape((1,) * (x.ndim - 1) + part.shape).view(Chunk)
+        part = np.stack([(dy * xh).sum(red), dy.sum(red)][:len(stats)]).astype(np.float32)
+        return part.reshape((1,) * (x.ndim - 1) + part.shape).view(Chunk)
 
     monkeypatch.setattr(_dask, "_nb_call", nb_call)
     return seen

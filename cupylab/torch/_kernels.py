@@ -129,8 +129,11 @@ def add_rms_norm_(x, residual, weight, eps):
 
 
 # -- cross-entropy ----------------------------------------------------------------------------
-def _loss_dtype(logits, fp32_loss):
-    return torch.float32 if fp32_loss else logits.dtype
+def _loss(loss, logits, fp32_loss):
+    """The kernel's float32 (float64) loss in the logits' dtype, or float32 with
+    ``fp32_loss``."""
+    dt = torch.float32 if fp32_loss else logits.dtype
+    return loss if loss.dtype == dt else loss.to(dt)
 
 
 def cross_entropy_loss(logits, target, ignore_index, reduction, label_smoothing,
@@ -139,8 +142,7 @@ def cross_entropy_loss(logits, target, ignore_index, reduction, label_smoothing,
     with ``fp32_loss`` (torch's under autocast); the kernel computes it in float32."""
     loss = cupylab.cross_entropy(_rows(logits), target, ignore_index, label_smoothing,
                                  reduction)
-    dt = _loss_dtype(logits, fp32_loss)
-    return loss if loss.dtype == dt else loss.to(dt)
+    return _loss(loss, logits, fp32_loss)
 
 
 def cross_entropy(logits, target, ignore_index, reduction, label_smoothing, compute_grad,
@@ -155,8 +157,7 @@ def cross_entropy(logits, target, ignore_index, reduction, label_smoothing, comp
         return loss, logits.new_empty((0,))
     loss, dx = cupylab.cross_entropy(_rows(logits), target, ignore_index, label_smoothing,
                                      reduction, return_grad=True)
-    dt = _loss_dtype(logits, fp32_loss)
-    return (loss if loss.dtype == dt else loss.to(dt)), dx
+    return _loss(loss, logits, fp32_loss), dx
 
 
 # -- elementwise ------------------------------------------------------------------------------

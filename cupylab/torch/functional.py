@@ -103,15 +103,20 @@ def softmax(x, dim=-1):
     IndexError
         ``dim`` out of range.
     """
-    _tensor("softmax", "x", x)
-    d = _dim("softmax", dim, x.dim())
+    return _softmax_like("softmax", x, dim)
+
+
+def _softmax_like(name, x, dim):
+    """:func:`softmax` / :func:`log_softmax` through this module's dispatch rule."""
+    _tensor(name, "x", x)
+    d = _dim(name, dim, x.dim())
     if x.dim() == 0:
-        return softmax(x.reshape(1), 0).reshape(())
+        return _softmax_like(name, x.reshape(1), 0).reshape(())
     if _compiling():
-        return torch.ops.cupylab.softmax(x, d)
+        return getattr(torch.ops.cupylab, name)(x, d)
     if x.requires_grad and _grad_enabled():
-        return _F["softmax"].apply(x, d)
-    return _kernels.softmax(x, d)
+        return _F[name].apply(x, d)
+    return getattr(_kernels, name)(x, d)
 
 
 def log_softmax(x, dim=-1):
@@ -133,15 +138,7 @@ def log_softmax(x, dim=-1):
     TypeError, IndexError
         As :func:`softmax`.
     """
-    _tensor("log_softmax", "x", x)
-    d = _dim("log_softmax", dim, x.dim())
-    if x.dim() == 0:
-        return log_softmax(x.reshape(1), 0).reshape(())
-    if _compiling():
-        return torch.ops.cupylab.log_softmax(x, d)
-    if x.requires_grad and _grad_enabled():
-        return _F["log_softmax"].apply(x, d)
-    return _kernels.log_softmax(x, d)
+    return _softmax_like("log_softmax", x, dim)
 
 
 # -- norms ------------------------------------------------------------------------------------
