@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["REFERENCES", "reference", "TOLERANCES", "tolerance"]
+__all__ = ["REFERENCES", "reference", "TOLERANCES", "tolerance", "MAGNITUDES"]
 
 
 def _f(x):
@@ -283,4 +283,13 @@ REFERENCES.update({
     "rows:softmax_backward": _softmax_backward_rows,
     "rows:log_softmax_backward": _log_softmax_backward_rows,
 })
+#: The size of the terms a result is computed from, where it can be far larger than the result
+#: (cancellation: dx = y * (dy - s) with dy close to s). A correct float32 kernel's error is a
+#: few roundings of these terms, not of the result; cupylab-bench scales its tolerance by them.
+MAGNITUDES = {
+    "rows:softmax_backward": lambda y, dy: np.abs(_f(y)) * (
+        np.abs(_f(dy)) + np.sum(np.abs(_f(y) * _f(dy)), axis=-1, keepdims=True)),
+    "rows:log_softmax_backward": lambda y, dy: np.abs(_f(dy)) + np.exp(_f(y)) * np.sum(
+        np.abs(_f(dy)), axis=-1, keepdims=True),
+}
 # ============================================================================================

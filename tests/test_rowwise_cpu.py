@@ -75,6 +75,7 @@ def test_pipe_plan(monkeypatch):
 class _V:
     def __init__(self, ptr, shape, strides, dt=BF16):
         self.ptr, self.shape, self.strides, self.dtype = ptr, shape, strides, dt
+        self.size = int(np.prod(shape))
 
 
 def test_row_layout():
@@ -121,6 +122,42 @@ def test_errors_need_no_gpu():
         cupylab.cross_entropy(x, x, reduction="avg")
     with pytest.raises(ValueError, match="label_smoothing"):
         cupylab.cross_entropy(x, x, label_smoothing=2.0)
+
+
+def test_check_stats_layout():
+    a = F32
+    rc.check_stats("op", "mean", _V(0x0, (0,), (0,), a), 0, a)  # empty: any strides
+    rc.check_stats("op", "mean", _V(0x100, (3, 1, 2), (2, 7, 1), a), 6, a)  # elements
+    with pytest.raises(ValueError, match="op: mean must be contiguous"):
+        rc.check_stats("op", "mean", _V(0x100, (3, 2), (4, 1), a), 6, a)
+    with pytest.raises(ValueError, match="one value per row"):
+        rc.check_stats("op", "rstd", _V(0x100, (5,), (4,), a), 6, a)
+    with pytest.raises(TypeError, match="rstd must be float32"):
+        rc.check_stats("op", "rstd", _V(0x100, (6,), (1,), BF16), 6, a)
+
+
+@pytest.mark.parametrize("op", ["softmax_backward", "log_softmax_backward"])
+def test_bench_tolerance_follows_the_terms_size(op):
+    """A float32 softmax backward of random rows differs from the float64 reference by a few
+    roundings of its terms (dy - sum(y * dy) cancels), not of its result: the bench checks
+    it against MAGNITUDES, and still rejects a result off by one part in a thousand."""
+    from cupylab.bench._cases import ROW_TOL_SCALE
+    from cupylab.bench._operands import compare
+
+    rng = np.random.default_rng(5)
+    y, dy = (rng.standard_normal((8, 4096)).astype(np.float32) for _ in range(2))
+    ref = R.REFERENCES[f"rows:{op}"](y, dy).reshape(-1)
+    if op == "softmax_backward":
+        s = np.sum(y * dy, axis=-1, keepdims=True, dtype=np.float32)
+        got = y * (dy - s)
+    else:
+        got = dy - np.exp(y) * np.sum(dy, axis=-1, keepdims=True, dtype=np.float32)
+    got = got.astype(np.float32).reshape(-1)
+    mag = R.MAGNITUDES[f"rows:{op}"](y, dy).reshape(-1)
+    idx = np.arange(ref.size)
+    tol = (1e-6 * ROW_TOL_SCALE,) * 2
+    assert compare(got, ref, idx, F32, *tol, mag) is None
+    assert compare(got * np.float32(1.001), ref, idx, F32, *tol, mag) is not None
 
 
 def test_references():

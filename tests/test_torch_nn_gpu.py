@@ -203,7 +203,11 @@ def test_autocast_output_dtypes(cl):
         loss, ref = cl.CrossEntropyLoss()(x, t), torch.nn.CrossEntropyLoss()(x, t)
     assert ref.dtype == torch.float32
     assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    # torch's autocast loss carries bfloat16 roundings (on the H200: 3.83203 where the float64
+    # loss of the same logits is 3.82858); cupylab's is that loss to float32 precision
+    exact = torch.nn.functional.cross_entropy(x.double(), t).float()
+    torch.testing.assert_close(loss, exact, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref, rtol=1e-2, atol=1e-2)
 
 
 def test_no_grad_path_matches(cl):
@@ -240,7 +244,7 @@ class Net(torch.nn.Module):
 def _net_grads(net, x, t, fwd=None):
     net.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = (fwd or net)(x, t)
+        loss = (net if fwd is None else fwd)(x, t)  # a compiled module has no truth value
     loss.backward()
     return loss.detach().float(), {n: p.grad.clone() for n, p in net.named_parameters()}
 

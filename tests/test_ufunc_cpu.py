@@ -71,6 +71,10 @@ def test_numpy_rule_scalars_on_either_side(op):
                 args = (arr, s) if order == 0 else (s, arr)
                 keys = (("a", a, False), key) if order == 0 else (key, ("a", a, False))
                 want = numpy_result(UFUNCS[op], *args)
+                if a == "bfloat16" and key[0] == "w" and key[1] != "complex":
+                    # cupylab's documented NEP 50 reading for bfloat16 (ml_dtypes versions
+                    # differ: 0.7 keeps bfloat16, others give float32)
+                    want = "bfloat16"
                 got = ours(op, keys)
                 if want != got:
                     bad.append((a, s, order, want, got))

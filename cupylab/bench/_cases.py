@@ -122,7 +122,7 @@ def _err(e) -> str:
     return f"{type(e).__name__}: {msg}"
 
 
-def _check(obj, idx, ref, dt, shape, scale=1.0):
+def _check(obj, idx, ref, dt, shape, scale=1.0, magnitude=None):
     """``None`` when ``obj`` is a correct result, else why not."""
     from ..reference import TOLERANCES  # noqa: PLC0415
 
@@ -134,7 +134,7 @@ def _check(obj, idx, ref, dt, shape, scale=1.0):
         return f"wrong result: dtype {got_dt}, expected {dt.name}"
     rtol, atol = TOLERANCES[dt.name]
     return _operands.compare(_operands.sample_to_host(obj, idx), ref, idx, dt, rtol * scale,
-                             atol * scale)
+                             atol * scale, magnitude)
 
 
 def _free(session, big):
@@ -188,7 +188,7 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
         which).
     """
     from .. import _dtypes  # noqa: PLC0415
-    from ..reference import reference  # noqa: PLC0415
+    from ..reference import MAGNITUDES, reference  # noqa: PLC0415
 
     shape = row_shape(spec, tuple(int(e) for e in shape))
     n = math.prod(shape)
@@ -219,6 +219,9 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
         ref = reference(spec.reference, *host, dtype=np.dtype(dt.name) if dt.kind == "i" else None)
         if rowwise:
             ref = np.asarray(ref).reshape(-1)
+        mag = MAGNITUDES.get(spec.reference)
+        if mag is not None:
+            mag = np.asarray(mag(*host)).reshape(-1)
         if fw == "jax":  # immutable arrays: cupylab allocates the result
             calls = [_bind(spec.fn, sets.inputs(fw, j), None) for j in range(nsets)]
         else:
@@ -232,7 +235,7 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
     try:
         got = calls[0]()
         session.timer.sync()
-        bad = _check(got, idx, ref, dt, shape, _tol_scale(spec))
+        bad = _check(got, idx, ref, dt, shape, _tol_scale(spec), mag)
         del got
         if bad:
             res["status"], res["error"] = "FAILED", bad
@@ -252,8 +255,8 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
         res["pct_ceiling"] = 100.0 * res["gbps"] / session.ceiling_gbps
 
     for peer in session.peers:
-        res["peers"][peer] = _run_peer(session, spec, peer, sets, idx, ref, dt, shape, st.median,
-                                       res["notes"])
+        res["peers"][peer] = _run_peer(session, spec, peer, sets, idx, ref, mag, dt, shape,
+                                       st.median, res["notes"])
     _release(session, sets, nbytes)
     return res
 
@@ -289,7 +292,7 @@ def _release(session, sets, nbytes):
     _free(session, nbytes >= 1 << 28)
 
 
-def _run_peer(session, spec, peer, sets, idx, ref, dt, shape, us, notes):
+def _run_peer(session, spec, peer, sets, idx, ref, mag, dt, shape, us, notes):
     factory = spec.peers.get(peer)
     if factory is None:
         return None
@@ -310,7 +313,7 @@ def _run_peer(session, spec, peer, sets, idx, ref, dt, shape, us, notes):
             r = f()
             if j == 0:
                 _block(fw, mod, session, r)
-                bad = _check(r, idx, ref, dt, shape, PEER_TOL_SCALE * _tol_scale(spec))
+                bad = _check(r, idx, ref, dt, shape, PEER_TOL_SCALE * _tol_scale(spec), mag)
                 if bad:
                     return {"us": None, "ratio": None, "error": bad}
                 wrote_out = use_out and r is kw["out"]

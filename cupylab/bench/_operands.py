@@ -279,20 +279,25 @@ def sample_to_host(obj, idx):
     return host.astype(np.int64 if host.dtype.kind in "iub" else np.float64)
 
 
-def compare(got, ref, idx, dt, rtol, atol):
+def compare(got, ref, idx, dt, rtol, atol, magnitude=None):
     """``None`` when ``got`` matches ``ref`` within ``rtol``/``atol`` (exactly for integers),
-    else a one-line description of the mismatch."""
+    else a one-line description of the mismatch. ``magnitude`` (same shape as ``ref``), where
+    given, replaces ``|ref|`` in the relative term: the size of the terms the result was
+    computed from, for results that cancel."""
     got = np.asarray(got)
     ref = np.asarray(ref)
     if dt.kind == "i":
         bad = got != ref
     else:
+        size = np.abs(ref) if magnitude is None else np.maximum(np.abs(ref), magnitude)
         with np.errstate(invalid="ignore", over="ignore"):
-            bad = ~(np.abs(got - ref) <= atol + rtol * np.abs(ref))
+            bad = ~(np.abs(got - ref) <= atol + rtol * size)
     nbad = int(np.count_nonzero(bad))
     if not nbad:
         return None
     i = int(np.flatnonzero(bad)[0])
     tol = "exact" if dt.kind == "i" else f"rtol={rtol:g}, atol={atol:g}"
+    if magnitude is not None and dt.kind != "i":
+        tol += ", rtol of the terms' size"
     return (f"wrong result: {nbad} of {got.size} checked elements differ ({tol}); first at flat "
             f"index {int(idx[i])}: got {got[i].item()!r}, expected {ref[i].item()!r}")

@@ -322,8 +322,9 @@ def check_stats(opname, name, v, rows, a):
     if v.size != rows:
         raise ValueError(f"{opname}: {name} must hold one value per row ({rows}); got shape "
                          f"{v.shape}")
-    acc = 1  # C-contiguous in any shape (the forward returns them in x.shape[:-1])
-    for e, s in zip(reversed(v.shape), reversed(v.strides)):
+    acc = 1  # C-contiguous in any shape (the forward returns them in x.shape[:-1]); an
+    # empty one has no layout to check (its strides are whatever the producer chose)
+    for e, s in zip(reversed(v.shape), reversed(v.strides)) if v.size else ():
         if e != 1 and s != acc:
             raise ValueError(f"{opname}: {name} must be contiguous")
         acc *= e
