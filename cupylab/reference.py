@@ -282,6 +282,16 @@ REFERENCES.update({
     "rows:add_rms_norm": lambda x, r: _rms_norm_rows(_f(x) + _f(r))[0],
     "rows:softmax_backward": _softmax_backward_rows,
     "rows:log_softmax_backward": _log_softmax_backward_rows,
+    # the norms' backward: dx only (no weight), with the statistics of x at the forward's eps
+    "rows:rms_norm_backward": lambda dy, x: _rms_norm_backward_rows(
+        dy, x, None, _rms_norm_rows(x)[1])[0],
+    "rows:layer_norm_backward": lambda dy, x: _layer_norm_backward_rows(
+        dy, x, None, *_layer_norm_rows(x)[1:])[0],
+    # dlogits of reduction="sum" (softmax - onehot). A row's target is how many of its logits
+    # have the sign bit set, modulo the row length: what the bench case computes on the GPU
+    # (cupylab.ops.rowwise._register), from the row alone as the sampled rows require.
+    "rows:cross_entropy": lambda x: _cross_entropy_rows(
+        x, np.signbit(x).sum(axis=-1) % np.shape(x)[-1])[2],
 })
 #: The size of the terms a result is computed from, where it can be far larger than the result
 #: (cancellation: dx = y * (dy - s) with dy close to s). A correct float32 kernel's error is a

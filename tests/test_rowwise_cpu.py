@@ -189,3 +189,96 @@ def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():
     assert row_shape(OPS["softmax"], (8192, 8192)) == (8192, 8192)
     assert row_shape(OPS["rms_norm"], (1000,)) == (1000,)  # not a multiple: one row, as given
     assert row_shape(OPS["add"], (1 << 26,)) == (1 << 26,)
+
+
+_NEW_BENCH_CASES = {"rms_norm_backward": 2, "layer_norm_backward": 2, "cross_entropy": 1}
+
+
+def test_bench_cases_of_the_backwards_and_cross_entropy():
+    from cupylab._registry import OPS
+
+    for name, nin in _NEW_BENCH_CASES.items():
+        spec = OPS[name]
+        assert spec.rowwise and spec.n_inputs == nin
+        assert spec.reference == f"rows:{name}" and spec.reference in R.REFERENCES
+        assert spec.dtypes == ("float16", "bfloat16", "float32", "float64")
+        assert set(spec.peers) == {"torch", "torch.compile"}
+    # inputs read once, the one output written once (the statistics and targets: per row)
+    assert OPS["rms_norm_backward"].bytes_per_element(2) == 6
+    assert OPS["layer_norm_backward"].bytes_per_element(4) == 12
+    assert OPS["cross_entropy"].bytes_per_element(2) == 4
+
+
+def test_bench_references_of_the_backwards_and_cross_entropy():
+    rng = np.random.default_rng(3)
+    dy, x = rng.standard_normal((2, 5, 37))
+    _, rstd = R.ROWWISE_REFERENCES["rms_norm"](x)
+    np.testing.assert_allclose(R.REFERENCES["rows:rms_norm_backward"](dy, x),
+                               R.ROWWISE_REFERENCES["rms_norm_backward"](dy, x, None, rstd)[0],
+                               rtol=1e-15, atol=1e-15)
+    _, mean, rstd = R.ROWWISE_REFERENCES["layer_norm"](x, eps=1e-5)
+    np.testing.assert_allclose(
+        R.REFERENCES["rows:layer_norm_backward"](dy, x),
+        R.ROWWISE_REFERENCES["layer_norm_backward"](dy, x, None, mean, rstd)[0],
+        rtol=1e-15, atol=1e-15)
+    # the cross-entropy case: the gradient of the summed loss, a row's target being how many
+    # of its logits are negative, modulo the row length
+    t = np.sum(x < 0, axis=-1) % x.shape[-1]
+    g = R.REFERENCES["rows:cross_entropy"](x)
+    np.testing.assert_allclose(g, R.ROWWISE_REFERENCES["cross_entropy"](x, t)[2])
+    np.testing.assert_allclose(g.sum(axis=-1), 0.0, atol=1e-12)  # softmax - onehot
+    assert np.all(g[np.arange(5), t] < 0)
+
+
+def test_bench_backward_cases_make_their_inputs_once(monkeypatch):
+    """The bench functions of the three cases, with NumPy stand-ins for the kernels: the
+    forward's statistics and the cross-entropy targets are made on the first call for an
+    input and reused by the next (timed) calls; the results are the bench references'."""
+    import cupylab.ops.cross_entropy as ce_mod
+    import cupylab.ops.rowwise as rw
+    from cupylab._registry import OPS
+
+    made = []
+
+    def rms_norm(x, weight, eps, return_stats=False):
+        made.append("rms")
+        return R.ROWWISE_REFERENCES["rms_norm"](x, weight, eps)
+
+    def layer_norm(x, weight, bias, eps, return_stats=False):
+        made.append("ln")
+        return R.ROWWISE_REFERENCES["layer_norm"](x, weight, bias, eps)
+
+    def cross_entropy(logits, target, reduction="mean", return_grad=False, grad_out=None):
+        assert reduction == "sum" and return_grad and target.dtype == np.int64
+        made.append("ce")
+        loss, _, g = R.ROWWISE_REFERENCES["cross_entropy"](logits, target)
+        if grad_out is None:
+            return loss.sum(), g
+        grad_out[...] = g
+        return loss.sum(), grad_out
+
+    monkeypatch.setattr(rw, "rms_norm", rms_norm)
+    monkeypatch.setattr(rw, "layer_norm", layer_norm)
+    monkeypatch.setattr(rw, "rms_norm_backward", R.ROWWISE_REFERENCES["rms_norm_backward"])
+    monkeypatch.setattr(rw, "layer_norm_backward", R.ROWWISE_REFERENCES["layer_norm_backward"])
+    monkeypatch.setattr(ce_mod, "cross_entropy", cross_entropy)
+    rng = np.random.default_rng(4)
+    dy, x, x2 = rng.standard_normal((3, 6, 50))
+    for name, tag in (("rms_norm_backward", "rms"), ("layer_norm_backward", "ln")):
+        fn = OPS[name].fn
+        want = R.REFERENCES[f"rows:{name}"](dy, x)
+        for _ in range(3):
+            np.testing.assert_allclose(fn(dy, x, out=np.empty_like(x)), want, rtol=1e-14)
+        assert made.count(tag) == 1
+        np.testing.assert_allclose(fn(dy, x2), R.REFERENCES[f"rows:{name}"](dy, x2), rtol=1e-14)
+        assert made.count(tag) == 2  # another input: its own statistics
+    fn = OPS["cross_entropy"].fn
+    for xs in (x, x.astype(np.float16), x.astype(np.float32)):
+        out = np.empty_like(xs)
+        assert fn(xs, out=out) is out and fn(xs) is not out
+        # a wrong target would be off by 1 somewhere; float16 rounds the gradient
+        np.testing.assert_allclose(out, R.REFERENCES["rows:cross_entropy"](xs), rtol=1e-3,
+                                   atol=1e-5)
+    assert made.count("ce") == 6
+    with pytest.raises(TypeError, match="no weak references"):
+        OPS["rms_norm_backward"].fn(dy, x.tolist())

@@ -470,8 +470,13 @@ def test_example_main_on_cpu(cl, example, no_functional, monkeypatch, tmp_path):
     out = tmp_path / "r.json"
     rc = example.main(["--device", "cpu", "--steps", "4", "--warmup", "1", "--d-model", "32",
                        "--layers", "1", "--seq", "16", "--batch", "2", "--vocab", "300",
-                       "--modes", "torch,torch-alt,cupylab", "--json", str(out)])
+                       "--modes", "torch,torch-alt,cupylab", "--json", str(out),
+                       "--profile", str(tmp_path / "prof")])
     res = __import__("json").loads(out.read_text())
+    for mode in ("torch", "cupylab"):  # --profile: a table per mode, and its totals
+        text = (tmp_path / "prof" / f"{mode}.txt").read_text()
+        assert text.startswith(f"{mode}: 3 steps, wall ") and "Self CPU" in text
+        assert res["records"][mode]["profile"]["wall_ms"] > 0
     assert rc == 0 and res["ok"] and list(res["records"]) == ["torch", "torch-alt", "cupylab"]
     recs = res["records"]
     assert recs["cupylab"]["swapped"] == 4 and recs["torch"]["swapped"] == 0

@@ -304,6 +304,13 @@ def _run_peer(session, spec, peer, sets, idx, ref, mag, dt, shape, us, notes):
     t_start = None
     use_out = sets.out_pool is not None and fw != "jax"
     wrote_out = False
+    if peer == "torch.compile":
+        # every case compiles afresh, for its own static shape: without this, the second
+        # shape of a bench run recompiles the peer's function with dynamic shapes (and past
+        # Dynamo's recompile limit, falls back to eager)
+        dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing compiled yet
+        if dynamo is not None:
+            dynamo.reset()
     try:
         for j in range(sets.nsets):
             kw = {"out": sets.out(fw, j)} if use_out else {}

@@ -486,7 +486,11 @@ _doc(layer_norm_backward, """Gradients of :func:`layer_norm`: with ``xh = (x - m
 
 # -- registry entries (tests and cupylab-bench) -----------------------------------------------
 def _register():
+    import sys  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+
     from .._registry import OpSpec, register  # noqa: PLC0415
+    from . import cross_entropy as xent  # noqa: PLC0415
 
     floats = ("float16", "bfloat16", "float32", "float64")
 
@@ -496,6 +500,65 @@ def _register():
             "torch.compile": lambda torch, *a, out=None: (
                 lambda f=torch.compile(lambda *b: torch_fn(torch, *b)): f(*a)),
         }
+
+    def prepared_peers(prep, pick):
+        """Peers running ``pick(torch)`` (a function of the arrays) on the inputs and on
+        ``prep(torch, *inputs)`` (the forward's statistics): those are made once per buffer set
+        when the bench builds the peer, not in the timed calls."""
+        def eager(torch, *a, out=None):
+            f, extra = pick(torch), prep(torch, *a)
+            return lambda: f(*a, *extra)
+
+        def compiled(torch, *a, out=None):
+            f, extra = torch.compile(pick(torch)), prep(torch, *a)
+            return lambda: f(*a, *extra)
+
+        return {"torch": eager, "torch.compile": compiled}
+
+    def per_input(make):
+        """``get(x)`` -> ``make(x)``, computed on the first call for the array object ``x`` and
+        reused while it lives (its entry goes with it). The bench calls an operator on the
+        same input objects every time (checked once, warmed up once per buffer set, then
+        timed), so what the backward cases need from their inputs (the forward's statistics,
+        the cross-entropy targets) is made before the timed calls, never in them."""
+        cache = {}
+
+        def get(x):
+            key = id(x)
+            hit = cache.get(key)
+            if hit is not None and hit[0]() is x:
+                return hit[1]
+
+            def drop(ref):  # x is gone, and so is what was made from it
+                if cache.get(key, (None,))[0] is ref:
+                    del cache[key]
+
+            try:
+                ref = weakref.ref(x, drop)
+            except TypeError:
+                raise TypeError(f"cupylab-bench: cannot keep what a {type(x).__name__} input "
+                                "needs across calls (no weak references to it)") from None
+            val = make(x)
+            cache[key] = (ref, val)
+            return val
+
+        return get
+
+    def row_classes(x):
+        """The cross-entropy cases' targets: per row, how many logits have their sign bit set,
+        modulo the row length. Taken from the row's own values so that the float64 reference
+        of the sampled rows ("rows:cross_entropy" in cupylab.reference) finds the same class.
+        Accepts torch, JAX or CuPy arrays; returns one of the same framework (int64, int32
+        for JAX without x64)."""
+        cols = x.shape[-1]
+        top = type(x).__module__.split(".", 1)[0]
+        if top == "torch":
+            torch = sys.modules["torch"]
+            ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+            return (x.view(ints) < 0).sum(-1) % cols
+        if top in ("jax", "jaxlib"):
+            return sys.modules["jax"].numpy.signbit(x).sum(-1) % cols
+        return (x.view(f"i{x.dtype.itemsize}") < 0).sum(-1, dtype="int64") % cols  # CuPy
 
     def _rms(torch, x):
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, 1e-6)
@@ -511,6 +574,69 @@ def _register():
 
     def _lsm_bwd(torch, y, dy):
         return torch._log_softmax_backward_data(dy, y, -1, y.dtype)
+
+    # -- backward of the norms: dx from dy, x and the forward's statistics (no weight) --------
+    rms_stats = per_input(lambda x: (rms_norm(x, None, 1e-6, return_stats=True)[1],))
+    ln_stats = per_input(lambda x: layer_norm(x, None, None, 1e-5, return_stats=True)[1:])
+
+    def rms_bwd(dy, x, out=None):  # the backward has no out=: dx is allocated
+        return rms_norm_backward(dy, x, None, *rms_stats(x))[0]
+
+    def ln_bwd(dy, x, out=None):  # the backward has no out=: dx is allocated
+        return layer_norm_backward(dy, x, None, *ln_stats(x))[0]
+
+    def _rms_prep(torch, dy, x):  # rstd as torch's forward has it: (rows, 1), float32/64
+        a = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return (torch.rsqrt(x.to(a).square().mean(-1, keepdim=True) + 1e-6),)
+
+    def _rms_bwd(torch):
+        if hasattr(torch.ops.aten, "_fused_rms_norm_backward"):  # torch >= 2.9: its kernel
+            def f(dy, x, rstd):
+                return torch.ops.aten._fused_rms_norm_backward(dy, x, [x.shape[-1]], rstd, None,
+                                                               [True, False])[0]
+        else:  # older torch: the formula, in rstd's dtype
+            def f(dy, x, rstd):
+                g, xh = dy.to(rstd.dtype), x.to(rstd.dtype) * rstd
+                return (rstd * (g - xh * (g * xh).mean(-1, keepdim=True))).to(x.dtype)
+        return f
+
+    def _ln_prep(torch, dy, x):  # mean, rstd: (rows, 1), float32/64
+        return torch.ops.aten.native_layer_norm(x, [x.shape[-1]], None, None, 1e-5)[1:]
+
+    def _ln_bwd(torch):
+        def f(dy, x, mean, rstd):
+            return torch.ops.aten.native_layer_norm_backward(dy, x, [x.shape[-1]], mean, rstd,
+                                                             None, None, [True, False, False])[0]
+        return f
+
+    # -- cross-entropy with its gradient: dlogits written by the forward ----------------------
+    # reduction="sum": the gradient is softmax - onehot, what the reference of the sampled rows
+    # can compute ("mean" scales it by 1 / rows, which they do not know, and adds a small kernel
+    # that counts the rows first)
+    ce_targets = per_input(row_classes)
+
+    def ce(x, out=None):
+        return xent.cross_entropy(x, ce_targets(x), reduction="sum", return_grad=True,
+                                  grad_out=out)[1]
+
+    def ce_peer(compiled):
+        """What training runs: ``F.cross_entropy`` (compiled or not), then autograd's
+        backward; the targets are made when the peer is built."""
+        def factory(torch, x, out=None):
+            t = row_classes(x)
+
+            def loss(a, b):
+                return torch.nn.functional.cross_entropy(a, b, reduction="sum")
+
+            f = torch.compile(loss) if compiled else loss
+
+            def run():
+                xr = x.detach().requires_grad_()
+                return torch.autograd.grad(f(xr, t), xr)[0]
+
+            return run
+
+        return factory
 
     specs = [
         ("softmax", softmax, 1, lambda i: 2 * i, 5, peers(lambda t, x: t.softmax(x, -1)),
@@ -528,6 +654,18 @@ def _register():
          lambda i: 3 * i, 3, peers(_sm_bwd), "dx = y * (dy - sum(y * dy))"),
         ("log_softmax_backward", lambda y, dy, out=None: log_softmax_backward(y, dy, out=out),
          2, lambda i: 3 * i, 3, peers(_lsm_bwd), "dx = dy - exp(y) * sum(dy)"),
+        # peers: aten._fused_rms_norm_backward (the formula before torch 2.9), eager / compiled
+        ("rms_norm_backward", rms_bwd, 2, lambda i: 3 * i, 6,
+         prepared_peers(_rms_prep, _rms_bwd), "dx of rms_norm (no weight) from dy, x and the "
+         "forward's rstd (made once, untimed); dx allocated"),
+        # peers: aten.native_layer_norm_backward with mask (dx only), eager / compiled
+        ("layer_norm_backward", ln_bwd, 2, lambda i: 3 * i, 8,
+         prepared_peers(_ln_prep, _ln_bwd), "dx of layer_norm (no weight) from dy, x and the "
+         "forward's mean, rstd (made once, untimed); dx allocated"),
+        # peers: F.cross_entropy then torch.autograd.grad, eager / with the loss compiled
+        ("cross_entropy", ce, 1, lambda i: 2 * i, 7,
+         {"torch": ce_peer(False), "torch.compile": ce_peer(True)},
+         "loss and dlogits in one pass (reduction='sum'; targets made once, untimed)"),
     ]
     for name, fn, nin, bpe, flops, pe, desc in specs:
         spec = register(OpSpec(name, fn, nin, f"rows:{name}", floats, bytes_per_element=bpe,

@@ -148,14 +148,18 @@ def run_mode(mode, args, init_state, data):
     losses = []
     sync()
     first = loss_dtype = None
-    for i in range(args.steps):
-        t0 = time.perf_counter()
-        _mark(ev[i], 0, cuda)
+    def one_step(i):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = fwd(xs[i], ys[i])
         (loss if scale is None else loss * scale).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        _mark(ev[i], 0, cuda)
+        loss = one_step(i)
         _mark(ev[i], 1, cuda)
         losses.append(loss.detach().float())
         loss_dtype = str(loss.dtype).replace("torch.", "")
@@ -170,11 +174,47 @@ def run_mode(mode, args, init_state, data):
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
                median_ms=statistics.median(ms) if ms else float("nan"),
                p10_ms=_quantile(ms, 0.1), p90_ms=_quantile(ms, 0.9))
-    del fwd, model, opt
+    if args.profile:
+        rec["profile"] = profile_steps(mode, one_step, args, cuda)
+    fwd = model = opt = None  # the closure one_step holds them: release them here
     torch._dynamo.reset()
     if cuda:
         torch.cuda.empty_cache()
     return rec
+
+
+def profile_steps(mode, one_step, args, cuda, steps=3):
+    """Run ``steps`` more training steps under ``torch.profiler`` and write the tables of the
+    kernels by GPU time and the host operators by CPU time to ``args.profile/<mode>.txt``.
+    Returns per-step totals: wall time, kernel time summed, and the host time spent in
+    ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` (a step that waits for the GPU
+    cannot queue the next step's work while the previous one runs)."""
+    import os  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        for i in range(steps):
+            one_step(i % args.steps)
+        sync()
+        wall = (time.perf_counter() - t) / steps
+    ka = prof.key_averages()
+    dev_us = sum(getattr(e, "self_device_time_total", 0) for e in ka) / steps
+    sync_us = sum(e.self_cpu_time_total for e in ka
+                  if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                               "cudaEventSynchronize")) / steps
+    os.makedirs(args.profile, exist_ok=True)
+    with open(os.path.join(args.profile, f"{mode}.txt"), "w") as f:
+        f.write(f"{mode}: {steps} steps, wall {wall * 1e3:.3f} ms/step, GPU time "
+                f"{dev_us / 1e3:.3f} ms/step, host synchronisation {sync_us / 1e3:.3f} "
+                f"ms/step\n\n")
+        if cuda:
+            f.write(ka.table(sort_by="self_device_time_total", row_limit=30) + "\n\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+    return dict(wall_ms=wall * 1e3, gpu_ms=dev_us / 1e3, sync_ms=sync_us / 1e3)
 
 
 def _mark(pair, k, cuda):
@@ -279,6 +319,9 @@ def parse(argv=None):
     p.add_argument("--rtol", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the records and the check here")
+    p.add_argument("--profile", metavar="DIR", help="after each mode's timed steps, profile "
+                   "3 more with torch.profiler and write DIR/<mode>.txt (kernels by GPU time, "
+                   "host operators by CPU time)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu runs the loop on the host, for testing this script: cupylab's "
                         "modules then run torch's forward and cupylab's optimizer refuses "
