@@ -428,7 +428,7 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
             ks = rc.kernel("norm_bwd", xv.dtype, f"cl::col_sum<{a.ctype}, {wdt.ctype}>",
                            ("Q", "q", "q", "Q", "q"))
             pptr = rc._arrays.as_view(bufs[k], "part").ptr if nparts else 0
-            ks.launch(c.device, max(1, -(-cols // 256)), 256, c.stream,
+            ks.launch(c.device, max(1, -(-cols // 32)), 1024, c.stream,  # 32 columns a block
                       (pptr, nparts, cols, target.ptr, 1))
     res = [rc.finish(c, dxobj), rc.finish(c, dw) if dw is not None else None]
     if opname == "layer_norm_backward":
