@@ -8,7 +8,7 @@ Every table in docs/perf.md sits between two marker comments::
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
 (``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
-``mixed.json``, ``rowwise.json``), the Dask example's ``dask.json``, the training example's ``train_tiny_llm.json`` and the
+``mixed.json``, ``rowwise_*.json``), the Dask example's ``dask.json``, the training example's ``train_tiny_llm.json`` and the
 command file, and leaves every other line (the prose) alone. The per-case tables are formatted
 by :mod:`cupylab.bench._report`, the same code that prints them on the command line.
 
@@ -49,7 +49,11 @@ FILES = {  # stored file -> what it holds
     "medium.json": "float dtypes at 2^20..2^23, 7 repetitions (a second look at medium sizes)",
     "large16.json": "16-bit dtypes at 2^24..2^28, 9 repetitions (a second look at the ties)",
     "mixed.json": "add with operands of different dtypes (NumPy promotion), peers torch and CuPy",
-    "rowwise.json": "softmax, rms_norm, layer_norm in bfloat16 beside torch eager",
+    "rowwise_bf16.json": "row-wise forwards, bfloat16, beside torch eager and torch.compile",
+    "rowwise_fp32.json": "row-wise forwards, float32, beside torch eager and torch.compile",
+    "rowwise_bwd.json": "row-wise backwards beside torch eager and torch.compile",
+    "rowwise_small.json": "row-wise forwards at decoding shapes (16 and 128 rows)",
+    "rowwise_ce.json": "cross-entropy with its gradient, 128k vocabulary",
 }
 
 
@@ -186,7 +190,7 @@ def _results(name):
 
 t_fusion = _results("fusion.json")
 t_mixed = _results("mixed.json")
-t_rowwise = _results("rowwise.json")
+ROWWISE = ("bf16", "fp32", "bwd", "small", "ce")  # rowwise_<x>.json -> table rowwise-<x>
 
 
 def t_repeats(data):
@@ -261,7 +265,8 @@ def t_train(data):
 TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "fusion": t_fusion,
           "repeats": t_repeats, "host": t_host, "graphs": t_graphs, "mixed": t_mixed,
-          "rowwise": t_rowwise, "dask": t_dask, "train": t_train}
+          "dask": t_dask, "train": t_train,
+          **{f"rowwise-{x}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 
 
 # ----------------------------------------------------------------------------- the page
