@@ -18,19 +18,7 @@
 # python -m cupylab.bench); REPEAT the timed repetitions (default 5). Exit code: the largest
 # exit code of the five runs (1: a case FAILED or raised).
 set -u
-if [ $# -ne 1 ]; then
-    echo "usage: $0 OUTDIR" >&2
-    exit 2
-fi
-OUT=$1
-mkdir -p "$OUT" || exit 2
-if [ -n "${BENCH:-}" ]; then
-    read -r -a B <<<"$BENCH"
-elif command -v cupylab-bench >/dev/null 2>&1; then
-    B=(cupylab-bench)
-else
-    B=(python -m cupylab.bench)
-fi
+. "$(dirname "$0")/bench_args.sh"  # OUT, B
 FWD=(softmax log_softmax rms_norm layer_norm add_rms_norm)
 BWD=(softmax_backward log_softmax_backward rms_norm_backward layer_norm_backward)
 COMMON=(--framework torch --peers torch,torch.compile -r "${REPEAT:-5}" -q)

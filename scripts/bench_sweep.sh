@@ -25,20 +25,7 @@
 # raised; 2: bad arguments or no GPU). Every step runs even if an earlier one failed.
 set -u
 
-if [ $# -ne 1 ]; then
-    echo "usage: $0 OUTDIR" >&2
-    exit 2
-fi
-OUT=$1
-mkdir -p "$OUT" || exit 2
-
-if [ -n "${BENCH:-}" ]; then
-    read -r -a B <<<"$BENCH"
-elif command -v cupylab-bench >/dev/null 2>&1; then
-    B=(cupylab-bench)
-else
-    B=(python -m cupylab.bench)
-fi
+. "$(dirname "$0")/bench_args.sh"  # OUT, B
 SIZES=${SIZES:-2^10..2^28:2}
 DTYPES=${DTYPES:-all}
 REPEAT=${REPEAT:-5}

@@ -40,6 +40,7 @@ FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 128, 4, 1)
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 128, 2, 1),
               (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
 GENERIC_THREADS = 512  # GT in rowwise.cu
+COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_W columns each
 #: single-input forward ops that use the persistent cp.async pipeline (row_pipe_kernel) for
 #: the non-cluster classes; PIPE_STAGES rows per block in shared memory
 PIPE_OPS = (0, 1, 2, 3, 5)

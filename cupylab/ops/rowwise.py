@@ -428,7 +428,7 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
             ks = rc.kernel("norm_bwd", xv.dtype, f"cl::col_sum<{a.ctype}, {wdt.ctype}>",
                            ("Q", "q", "q", "Q", "q"))
             pptr = rc._arrays.as_view(bufs[k], "part").ptr if nparts else 0
-            ks.launch(c.device, max(1, -(-cols // 32)), 1024, c.stream,  # 32 columns a block
+            ks.launch(c.device, max(1, -(-cols // rc.COL_SUM_W)), rc.COL_SUM_W ** 2, c.stream,
                       (pptr, nparts, cols, target.ptr, 1))
     res = [rc.finish(c, dxobj), rc.finish(c, dw) if dw is not None else None]
     if opname == "layer_norm_backward":
@@ -494,13 +494,6 @@ def _register():
 
     floats = ("float16", "bfloat16", "float32", "float64")
 
-    def peers(torch_fn):
-        return {
-            "torch": lambda torch, *a, out=None: (lambda: torch_fn(torch, *a)),
-            "torch.compile": lambda torch, *a, out=None: (
-                lambda f=torch.compile(lambda *b: torch_fn(torch, *b)): f(*a)),
-        }
-
     def prepared_peers(prep, pick):
         """Peers running ``pick(torch)`` (a function of the arrays) on the inputs and on
         ``prep(torch, *inputs)`` (the forward's statistics): those are made once per buffer set
@@ -514,6 +507,10 @@ def _register():
             return lambda: f(*a, *extra)
 
         return {"torch": eager, "torch.compile": compiled}
+
+    def peers(torch_fn):
+        """Peers running ``torch_fn(torch, *inputs)``, eager and compiled."""
+        return prepared_peers(lambda torch, *a: (), lambda torch: (lambda *b: torch_fn(torch, *b)))
 
     def per_input(make):
         """``get(x)`` -> ``make(x)``, computed on the first call for the array object ``x`` and
