@@ -433,3 +433,64 @@ def test_cai_and_numba_lists():
                                    rtol=1e-6)
     with pytest.raises(TypeError, match="one call takes arrays of one framework"):
         foreach.add_(nx, [_CAI(x) for x in xs])
+
+
+def _busy(torch, stream):
+    """Queue about 0.1 s of GPU work on ``stream`` (a spinning kernel), so that what is queued
+    after it is certainly still pending when the host looks a few milliseconds later."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)
+
+
+def test_a_new_list_is_set_up_without_a_host_synchronisation():
+    """The table of a list seen for the first time is uploaded behind the stream's queued work
+    and the call returns at once (the host does not wait for the GPU)."""
+    torch = pytest.importorskip("torch")
+    s = torch.cuda.Stream()
+    ys = [torch.ones(n, device="cuda") for n in (5, 4097, 1)]
+    torch.cuda.synchronize()
+    _busy(torch, s)
+    with torch.cuda.stream(s):
+        foreach.scale_(ys, 3.0)
+    assert not s.query()  # returned while the spinning kernel still runs: no host sync
+    torch.cuda.synchronize()
+    assert all(bool((y == 3).all()) for y in ys)
+
+
+def test_another_stream_waits_for_the_table_on_the_gpu():
+    """A list set up on stream a and used on stream b: b's launch is ordered after the upload
+    queued on a (an event wait on the GPU, not on the host)."""
+    torch = pytest.importorskip("torch")
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    ys = [torch.zeros(n, device="cuda") for n in (7, 3000)]
+    zs = [torch.zeros(n, device="cuda") for n in (7, 3000)]
+    torch.cuda.synchronize()
+    foreach.zero_(zs)  # a plan for another list: this test's list is new below
+    _busy(torch, a)
+    with torch.cuda.stream(a):
+        foreach.zero_(ys)  # new list: its table is uploaded on a, behind the spinning kernel
+    plan = next(p for p in list(P._cache.values()) if p.stream == a.cuda_stream)
+    assert plan.upload is not None
+    with torch.cuda.stream(b):
+        foreach.zero_(ys)  # the same list on b: b must wait for a's upload
+    assert not b.query()  # b's tiny kernel is held back behind the upload on a
+    assert not a.query()  # and the host never waited
+    torch.cuda.synchronize()
+    with torch.cuda.stream(b):
+        foreach.zero_(ys)  # once the upload is seen complete, no more waiting
+    assert plan.upload is None
+
+
+def test_a_new_list_during_capture_is_refused_clearly():
+    cp = pytest.importorskip("cupy")
+    xs = [cp.ones(n, dtype=cp.float32) for n in (3, 1000)]
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="warm-up"):
+                foreach.scale_(xs, 2.0)
+        finally:
+            s.end_capture()
+    foreach.scale_(xs, 2.0)  # outside capture it is set up as usual
+    assert all(bool((x == 2).all()) for x in xs)

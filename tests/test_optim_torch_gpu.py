@@ -246,3 +246,23 @@ def test_leak_10000_steps_with_reallocated_grads():
     assert torch.cuda.memory_allocated() == dev0
     assert h1 - h0 < 256 * 1024, f"host memory grew by {h1 - h0} bytes over 10,000 steps"
     assert P.cache_len() <= P.CACHE_SIZE
+
+
+def test_a_step_with_new_gradients_does_not_wait_for_the_gpu():
+    """zero_grad(set_to_none=True) gives new gradient tensors every step, so each step may set
+    up a new launch table; the step still returns while the GPU is busy (no host sync), and
+    matches torch's."""
+    a = _params(torch.float32)
+    b = _clone(a)
+    o1, o2 = _clo().AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    s = torch.cuda.current_stream()
+    for _ in range(3):
+        _set_grads(gen, a, b, torch.float32)
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU work queued first
+        o1.step()
+        assert not s.query()  # the step was queued behind it, the host did not wait
+        o2.step()
+        o1.zero_grad(set_to_none=True)
+        o2.zero_grad(set_to_none=True)
+    _compare(a, b, torch.float32, 1e-5, 1e-6)

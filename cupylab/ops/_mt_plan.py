@@ -5,7 +5,8 @@ Table layout (see ``cuda_src/cupylab_multi_tensor.cuh``): per tensor ``NL`` data
 (0 for an absent slot) and ``n | ALIGNED_BIT``; per block an ``int2`` ``(tensor, chunk)``;
 per tensor an ``int2`` ``[first block, end block)`` into the norm partials. Tensors are grouped
 by their dtypes (one launch per group); one upload of one buffer per list, on the caller's
-stream (synchronised once, when the list is first seen); per call the host packs 15 numbers
+stream from pinned memory, without a host synchronisation (a launch on another stream waits
+for it once: :func:`ready`); per call the host packs 15 numbers
 per group and launches. Chunks of ``chunk`` elements (a power of two between
 :data:`MIN_CHUNK` and :data:`MAX_CHUNK`, chosen so that the launch has at least about 16
 blocks per SM) make one block each, so a huge tensor and a thousand tiny ones spread over the
@@ -18,6 +19,7 @@ dead array's recycled ``id``, and the cache owns no array. Bounded (LRU, :data:`
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from collections import OrderedDict
@@ -201,7 +203,7 @@ class Plan:
     """The packed, uploaded metadata of one call's lists (see the module docstring)."""
 
     __slots__ = ("device", "kind", "n", "sizes", "groups", "chunk", "nblocks", "tb_ptr", "buf",
-                 "stream", "partial", "scratch", "refs", "__weakref__")
+                 "stream", "partial", "scratch", "refs", "upload", "__weakref__")
 
     def workspace(self):
         """Device addresses ``(partials, scratch)``: one float64 per block for the norms, and
@@ -246,6 +248,88 @@ def layout(slot_ptrs, sizes, slot_dtypes, chunk):
     return groups, b"".join(parts), tb_off, first
 
 
+class _Upload:
+    """A table upload in flight: the pinned staging copy of the table (CuPy's pinned memory
+    pool) and an event recorded on the upload stream after the copy. The staging memory goes
+    back to the pool only once the event has completed, so it is never reused under a pending
+    copy: a dead upload is parked in :data:`_parked` (no CUDA call in ``__del__``, which may
+    run during someone's graph capture) and released by a later :meth:`start` that finds its
+    event completed — never waited for."""
+
+    __slots__ = ("event", "host", "rt")
+
+    @classmethod
+    def start(cls, cp, dst, blob, stream):
+        """Copy ``blob`` to device address ``dst`` on ``stream`` without blocking the host."""
+        rt = cp.cuda.runtime
+        _release_parked(rt)
+        host = cp.cuda.alloc_pinned_memory(len(blob))
+        ctypes.memmove(host.ptr, blob, len(blob))
+        rt.memcpyAsync(dst, host.ptr, len(blob), 1, stream)  # 1: cudaMemcpyHostToDevice
+        up = cls()
+        up.rt, up.host = rt, host
+        up.event = rt.eventCreateWithFlags(rt.eventDisableTiming)
+        rt.eventRecord(up.event, stream)
+        return up
+
+    def done(self):
+        try:
+            return self.rt.eventQuery(self.event) == 0
+        except Exception:  # noqa: BLE001 - a CuPy that raises for "not ready"
+            return False
+
+    def __del__(self):
+        try:
+            _parked.append((self.rt, self.event, self.host))
+        except Exception:  # noqa: BLE001 - a half-built upload, interpreter shutdown
+            pass
+
+
+_parked: list = []  # (runtime, event, pinned memory) of dead uploads not yet seen complete
+_EVENT_WAIT_EXTERNAL = 1  # cudaEventWaitExternal
+
+
+def _release_parked(rt):
+    keep = []
+    for item in _parked:
+        try:
+            finished = item[0].eventQuery(item[1]) == 0
+        except Exception:  # noqa: BLE001
+            finished = False
+        if finished:
+            item[0].eventDestroy(item[1])
+        else:
+            keep.append(item)
+    _parked[:] = keep
+
+
+def capturing(rt, stream):
+    """Whether ``stream`` is being captured into a CUDA graph (also when the runtime refuses
+    the question: the legacy stream while another stream captures)."""
+    try:
+        return rt.streamIsCapturing(stream) != 0
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def ready(plan, stream):
+    """Before launching ``plan`` on ``stream``: its table upload was queued on ``plan.stream``,
+    which orders it before any later launch there. Another stream is made to wait for the
+    upload on the GPU (``cudaStreamWaitEvent``; during a graph capture as an external event
+    node, so every replay waits for it) until the upload is seen complete. The host never
+    waits."""
+    up = plan.upload
+    if up is None or stream == plan.stream:
+        return
+    rt = up.rt
+    if capturing(rt, stream):
+        rt.streamWaitEvent(stream, up.event, _EVENT_WAIT_EXTERNAL)
+    elif up.done():
+        plan.upload = None
+    else:
+        rt.streamWaitEvent(stream, up.event, 0)
+
+
 def build(slot_views, sizes, device, kind, stream, chunk=None):
     """Pack and upload the tables for validated views (per slot a list of Views or None)."""
     cp = _runtime.cupy()
@@ -254,25 +338,23 @@ def build(slot_views, sizes, device, kind, stream, chunk=None):
     slot_ptrs = [None if vs is None else [v.ptr for v in vs] for vs in slot_views]
     slot_dt = [None if vs is None else [v.dtype for v in vs] for vs in slot_views]
     groups, blob, tb_off, nblocks = layout(slot_ptrs, sizes, slot_dt, chunk)
-    import numpy as np  # noqa: PLC0415
-
-    host = np.frombuffer(blob, dtype=np.uint8)
     ws_off = -(-len(blob) // 16) * 16  # then the workspace: partials (float64) and scratch
     total = ws_off + 8 * max(nblocks, 1) + 16
+    if capturing(cp.cuda.runtime, stream):
+        raise RuntimeError(
+            "cupylab multi-tensor call: a list seen for the first time cannot be set up during "
+            "CUDA graph capture (its table is uploaded then); run the call once before "
+            "capturing (a warm-up step)")
     with cp.cuda.Device(device):
         buf = cp.empty(total, dtype=cp.uint8)
-        if blob:
-            cp.cuda.runtime.memcpyAsync(buf.data.ptr, host.ctypes.data, len(blob), 1, stream)
-        # The one host synchronisation of a list's life: the table must be on the device before
-        # any stream uses it, and later calls (other streams, CUDA graph capture) then need no
-        # event between the upload and their launch.
-        cp.cuda.runtime.streamSynchronize(stream)
+        up = _Upload.start(cp, buf.data.ptr, blob, stream) if blob else None
     base = buf.data.ptr
     plan = Plan()
     plan.device, plan.kind, plan.n, plan.sizes, plan.chunk = device, kind, len(sizes), sizes, chunk
     plan.nblocks, plan.buf, plan.stream, plan.tb_ptr = nblocks, buf, stream, base + tb_off
     plan.partial, plan.scratch = base + ws_off, base + ws_off + 8 * max(nblocks, 1)
     plan.refs = None
+    plan.upload = up
     plan.groups = []
     for sig, idx, toff, moff, nb, first in groups:
         g = Group()

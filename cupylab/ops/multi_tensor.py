@@ -214,7 +214,9 @@ def resolve(opname, names, lists, writes, *, same_dtype=None, stream=None, inpla
         plan = P.cache_get(key)
         if plan is not None:
             with _launch.ensure_device(plan.device):
-                return plan, _launch.current_stream(plan.kind, plan.device)
+                s = _launch.current_stream(plan.kind, plan.device)
+            P.ready(plan, s)
+            return plan, s
     r = _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs, free)
     if r is None:
         return None, None
@@ -658,4 +660,9 @@ def prepare(fn, *args, stream=None, **kwargs):
     fixed = None
     if stream is not None:
         fixed = _launch.resolve_stream(stream)
+    for _, device, _, _, _, kind in rec.launches[:1]:
+        # the call's tables were uploaded on its stream; the replays may run on another
+        with _launch.ensure_device(device):
+            s = fixed if fixed is not None else _launch.current_stream(kind, device)
+            _runtime.cupy().cuda.runtime.streamSynchronize(s)
     return PreparedForeach(rec.launches, fixed, result, (args, kwargs))

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from .. import _dask
 from . import _rowcore as rc
+from . import _rowfast
+
+_MISS = _rowfast.MISS
 
 __all__ = ["softmax", "log_softmax", "rms_norm", "layer_norm", "add_rms_norm",
            "softmax_backward", "log_softmax_backward", "rms_norm_backward",
@@ -57,6 +60,10 @@ def _axis(opname, axis, nd):
 
 
 def _softmax_like(opname, x, axis, out, stream):
+    if out is None and stream is None:
+        r = _rowfast.softmax(opname, x, axis)
+        if r is not _MISS:
+            return r
     if _dask.is_dask(x):
         return _dask.rowwise(opname, globals()[opname], [("x", x)], axis, {}, out, stream)
     c = rc.gather(opname, {"x": x, "out": out}, stream)
@@ -123,6 +130,10 @@ _doc(log_softmax, """``x - max - log(sum(exp(x - max)))`` along ``axis``.
 
 
 def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, stream):
+    if out is None and stream is None:
+        r = _rowfast.norm(opname, x, residual, weight, bias, eps, return_stats, inplace)
+        if r is not _MISS:
+            return r
     if _dask.is_dask(x) or _dask.is_dask(residual):
         kw = {"eps": eps}
         if residual is not None:  # add_rms_norm: h by the elementwise add, then rms_norm of h
@@ -302,6 +313,10 @@ _doc(add_rms_norm, """``h = x + residual`` (rounded to x's dtype), ``y = rms_nor
 # --------------------------------------------------------------------------------------------
 # backward
 def _softmax_bwd(opname, y, dy, out, stream):
+    if out is None and stream is None:
+        r = _rowfast.softmax_backward(opname, y, dy)
+        if r is not _MISS:
+            return r
     if _dask.is_dask(y) or _dask.is_dask(dy):
         return _dask.rowwise(opname, globals()[opname], [("y", y), ("dy", dy)], -1, {}, out,
                              stream)
@@ -370,6 +385,10 @@ _doc(log_softmax_backward, """Gradient of :func:`log_softmax` over the last axis
 
 
 def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
+    if stream is None:
+        r = _rowfast.norm_backward(opname, dy, x, weight, mean, rstd)
+        if r is not _MISS:
+            return r
     if any(_dask.is_dask(a) for a in (dy, x, mean, rstd)):
         stats = [("mean", mean)] if opname == "layer_norm_backward" else []
         return _dask.norm_backward(opname, globals()[opname], dy, x, weight,

@@ -31,7 +31,7 @@ import operator
 import torch
 
 from .. import _launch, optim as _optim
-from ..ops import multi_tensor as F
+from ..ops import _mt_plan as P, multi_tensor as F
 
 __all__ = ["Adam", "AdamW", "SGD", "Lion"]
 
@@ -103,7 +103,9 @@ class _Fused:
         if hit is not None and hit[0] == key:
             plan = hit[1]
             with _launch.ensure_device(plan.device):
-                return plan, _launch.current_stream("torch", plan.device), params
+                s = _launch.current_stream("torch", plan.device)
+            P.ready(plan, s)
+            return plan, s, params
         for p, g in zip(params, grads):
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")

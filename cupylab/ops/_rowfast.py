@@ -1,0 +1,414 @@
+"""The lean path of the row-wise operators: every operand a plain C-contiguous torch tensor (or
+every one a CuPy array) on the current device, no ``out=``, no ``stream=``, rows to compute.
+
+The general path (:mod:`cupylab.ops.rowwise`) turns each operand into a View, checks it, lays
+the rows out, chooses the kernel and its grid, packs the arguments and launches: about 30-90 µs
+of host time per call, several times the GPU time of a norm over a few thousand rows. Here the
+choice is made once per *signature* — operator, dtype, shape, the weight's dtype, which
+operands are present and every input's address modulo 16 — by the general path's own
+functions (:func:`_rowcore.make_layout`, :func:`_rowcore.choose`, :func:`_rowcore.grid_for`,
+:func:`_rowcore.pipe_plan`) and kept as a :class:`Plan`; a call then reads each operand's
+pointer, shape and dtype, allocates its outputs and launches the planned kernel(s).
+
+Anything else — including every error case — returns :data:`MISS` and the caller takes the
+general path, which validates fully and raises the documented errors; both paths launch the
+same kernels with the same arguments (a CPU test compares the packed arguments).
+"""
+from __future__ import annotations
+
+import sys
+
+from .. import _arrays, _runtime
+from . import _rowcore as rc
+
+MISS = object()
+
+_PLAN_CACHE_MAX = 1024
+_plans: dict = {}
+
+
+class Plan:
+    """What a call of one signature launches: the row kernel (``k``, ``grid``, ``block``,
+    ``smem``), the constant tail of its arguments (``tail``: rows ... column strides),
+    ``nparts`` rows of partial sums and the column-sum kernel ``ks`` for the weight
+    gradients, and the shapes/dtypes of the statistics and partial sums in the caller's
+    framework (``lead``, ``acc``)."""
+
+    __slots__ = ("k", "grid", "block", "smem", "tail", "nparts", "ks", "cs_grid", "lead",
+                 "acc", "cols")
+
+
+# -- the two frameworks ------------------------------------------------------------------------
+# probe(a) -> (framework dtype, shape, pointer, device) for a plain C-contiguous GPU array,
+# else None; new(like, shape, framework dtype or None for like's dtype) -> (array, pointer)
+def _probe_torch(t):
+    if t.requires_grad or t.is_neg() or not t.is_contiguous():
+        return None
+    return t.dtype, t.shape, t.data_ptr(), t.get_device()
+
+
+def _probe_cupy(a):
+    if not a._c_contiguous:
+        return None
+    m = a.data
+    return a.dtype, a.shape, m.ptr, m.device_id
+
+
+_torch_empty_like = _torch_empty = None
+
+
+def _new_torch(like, shape, fdt):
+    if fdt is None and shape is None:
+        o = _torch_empty_like(like)
+    else:
+        o = _torch_empty(shape if shape is not None else like.shape,
+                         dtype=like.dtype if fdt is None else fdt, device=like.device)
+    return o, o.data_ptr()
+
+
+_cupy_ndarray = None
+
+
+def _new_cupy(like, shape, fdt):
+    o = _cupy_ndarray(like.shape if shape is None else shape, like.dtype if fdt is None else fdt)
+    return o, o.data.ptr
+
+
+_frameworks: dict = {}  # type -> (probe, new, stream, acc dtype of a framework dtype) or None
+_get_device = None
+_torch_stream = None
+
+
+def _torch_raw_stream(dev):
+    return _torch_stream(dev)
+
+
+def _cupy_stream(dev):
+    return _cupy_current().ptr
+
+
+_cupy_current = None
+
+
+def _framework(tp):
+    fw = _frameworks.get(tp, 0)
+    if fw != 0:
+        return fw
+    global _torch_empty_like, _torch_empty, _torch_stream, _cupy_ndarray, _cupy_current
+    global _get_device
+    fw = None
+    top = (tp.__module__ or "").split(".", 1)[0]
+    torch = sys.modules.get("torch") if top == "torch" else None
+    cp = sys.modules.get("cupy") if top == "cupy" else None
+    if torch is not None and tp is torch.Tensor:
+        _torch_empty_like, _torch_empty = torch.empty_like, torch.empty
+        _torch_stream = torch._C._cuda_getCurrentRawStream
+        acc = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+               torch.float32: torch.float32, torch.float64: torch.float64}
+        fw = (_probe_torch, _new_torch, _torch_raw_stream, acc)
+    elif cp is not None and tp is cp.ndarray:
+        _cupy_ndarray, _cupy_current = cp.ndarray, cp.cuda.get_current_stream
+        import numpy as np  # noqa: PLC0415 - CuPy is loaded, so NumPy is
+
+        acc = {np.dtype(n): np.dtype("float64" if n == "float64" else "float32")
+               for n in ("float16", "float32", "float64")}
+        try:  # bfloat16 CuPy arrays carry ml_dtypes' dtype
+            import ml_dtypes  # noqa: PLC0415
+
+            acc[np.dtype(ml_dtypes.bfloat16)] = np.dtype("float32")
+        except ImportError:
+            pass
+        fw = (_probe_cupy, _new_cupy, _cupy_stream, acc)
+    if fw is not None and _get_device is None:
+        _get_device = _runtime.cupy().cuda.runtime.getDevice
+    _frameworks[tp] = fw
+    return fw
+
+
+def _plan(key, opname, objs, weight, flags, dev):
+    """Build the plan of ``key`` from the first call's operands (``objs``: the row operands in
+    slot order in0, in1, out0, out1, None for absent; on device ``dev``) with the general
+    path's functions."""
+    op = rc.OP[opname]
+    views = [None if o is None else _arrays.as_view(o, opname) for o in objs]
+    x = views[0]
+    dt = x.dtype
+    lay = rc.make_layout(opname, x.shape, views, -1)
+    info = _runtime.device_info(dev)
+    cls = rc.choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
+    p = Plan()
+    pp = rc.pipe_plan(op, cls, lay.rows, info.sm_count, info.max_smem_optin)
+    p.smem = 0
+    if pp is not None:
+        p.grid, p.smem = pp
+        p.nparts = 0
+        p.k = rc.kernel(rc.group_of(op), dt, rc.kernel_name(op, dt, cls, True))
+        rc._opt_in(p.k, dev, p.smem)
+    else:
+        p.grid, p.nparts = rc.grid_for(op, cls, lay.rows, info.sm_count)
+        p.k = rc.kernel(rc.group_of(op), dt, rc.kernel_name(op, dt, cls))
+    p.block = rc.GENERIC_THREADS if cls is None else cls[0]
+    p.tail = rc.pack({}, lay, flags=flags)[13:-2]
+    p.cols = lay.cols
+    p.ks = p.cs_grid = None
+    if weight is not None and op in rc.BWD_W:
+        w = _arrays.as_view(weight, opname)
+        a = rc.acc_dtype(dt)
+        p.ks = rc.kernel("norm_bwd", dt, f"cl::col_sum<{a.ctype}, {w.dtype.ctype}>",
+                         ("Q", "q", "q", "Q", "q"))
+        p.cs_grid = max(1, -(-lay.cols // rc.COL_SUM_W))
+    p.lead = tuple(x.shape[:-1])
+    if len(_plans) >= _PLAN_CACHE_MAX:
+        _plans.clear()
+    _plans[key] = p
+    return p
+
+
+def _weight(fw, w, fdt, cols, dev):
+    """``(pointer, flags, dtype)`` of a weight/bias for x of dtype ``fdt``, or None to miss:
+    shape (cols,), contiguous, x's dtype or float32 with 16-bit x, on ``dev``."""
+    pw = fw[0](w)
+    if pw is None or pw[3] != dev or len(pw[1]) != 1 or pw[1][0] != cols:
+        return None
+    if pw[0] == fdt:
+        return pw[2], 0, pw[0]
+    if fw[3].get(fdt) == pw[0] and fdt.itemsize == 2:
+        return pw[2], rc.FLAG_W_F32, pw[0]
+    return None
+
+
+def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
+    """``rms_norm`` / ``layer_norm`` / ``add_rms_norm`` with ``out=None``, ``stream=None``:
+    the result as the general path returns it, or :data:`MISS`."""
+    try:
+        tp = type(x)
+        fw = _frameworks.get(tp, 0)
+        if fw == 0:
+            fw = _framework(tp)
+        if fw is None or type(eps) not in (float, int) or not eps >= 0:
+            return MISS
+        probe, new, stream_of, acc = fw
+        px = probe(x)
+        if px is None:
+            return MISS
+        fdt, shape, p0, dev = px
+        a = acc.get(fdt)
+        if a is None or not shape or not shape[-1] or 0 in shape or _get_device() != dev:
+            return MISS
+        cols = shape[-1]
+        p1 = pw = pb = flags = 0
+        wdt = None
+        if residual is not None:
+            if type(residual) is not tp:
+                return MISS
+            pr = probe(residual)
+            if pr is None or pr[0] != fdt or pr[1] != shape or pr[3] != dev:
+                return MISS
+            p1 = pr[2]
+        if weight is not None:
+            if type(weight) is not tp:
+                return MISS
+            r = _weight(fw, weight, fdt, cols, dev)
+            if r is None:
+                return MISS
+            pw, flags, wdt = r
+        if bias is not None:
+            if type(bias) is not tp:
+                return MISS
+            r = _weight(fw, bias, fdt, cols, dev)
+            if r is None or (wdt is not None and r[2] != wdt):
+                return MISS
+            pb, flags = r[0], r[1]
+        key = (opname, fdt, shape, wdt, flags, bias is not None, residual is not None,
+               p0 & 15, p1 & 15)
+        y, py = new(x, None, None)
+        h = None
+        ph = 0
+        if residual is not None:
+            if inplace:
+                h, ph = residual, p1
+            else:
+                h, ph = new(x, None, None)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plan(key, opname, (x, residual, y, h), weight, flags, dev)
+        if (py | ph) & 15:
+            return MISS  # a fresh output off 16 bytes: not what the plan assumed
+        mean = rstd = None
+        pm = ps = 0
+        if return_stats:
+            if opname == "layer_norm":
+                mean, pm = new(x, plan.lead, a)
+            rstd, ps = new(x, plan.lead, a)
+        stream = stream_of(dev)
+    except Exception:  # noqa: BLE001 - anything odd: the general path validates and explains
+        return MISS
+    plan.k.launch(dev, plan.grid, plan.block, stream,
+                  (py, ph, p0, p1, pw, pb, pm, ps, 0, 0, 0, 0, 0, *plan.tail, float(eps), 0.0),
+                  shared_mem=plan.smem)
+    res = (y,) if h is None else (y, h)
+    if return_stats:
+        res += (rstd,) if mean is None else (mean, rstd)
+    return res[0] if len(res) == 1 else res
+
+
+def softmax(opname, x, axis):
+    """``softmax`` / ``log_softmax`` over the last axis with ``out=None``, ``stream=None``."""
+    try:
+        tp = type(x)
+        fw = _frameworks.get(tp, 0)
+        if fw == 0:
+            fw = _framework(tp)
+        if fw is None or type(axis) is not int:
+            return MISS
+        probe, new, stream_of, acc = fw
+        px = probe(x)
+        if px is None:
+            return MISS
+        fdt, shape, p0, dev = px
+        nd = len(shape)
+        if (fdt not in acc or not nd or (axis != -1 and axis != nd - 1) or 0 in shape
+                or _get_device() != dev):
+            return MISS
+        y, py = new(x, None, None)
+        key = (opname, fdt, shape, p0 & 15)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plan(key, opname, (x, None, y, None), None, 0, dev)
+        if py & 15:
+            return MISS
+        stream = stream_of(dev)
+    except Exception:  # noqa: BLE001
+        return MISS
+    plan.k.launch(dev, plan.grid, plan.block, stream,
+                  (py, 0, p0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, *plan.tail, 0.0, 0.0),
+                  shared_mem=plan.smem)
+    return y
+
+
+def _pair(fw, a, b):
+    """Probes of two same-shaped, same-dtype operands on one device, or None."""
+    pa = fw[0](a)
+    if pa is None or type(b) is not type(a):
+        return None
+    pb = fw[0](b)
+    if pb is None or pb[0] != pa[0] or pb[1] != pa[1] or pb[3] != pa[3]:
+        return None
+    return pa, pb
+
+
+def softmax_backward(opname, y, dy):
+    """``softmax_backward`` / ``log_softmax_backward`` with ``out=None``, ``stream=None``."""
+    try:
+        tp = type(y)
+        fw = _frameworks.get(tp, 0)
+        if fw == 0:
+            fw = _framework(tp)
+        if fw is None:
+            return MISS
+        pp = _pair(fw, y, dy)
+        if pp is None:
+            return MISS
+        (fdt, shape, p0, dev), (_, _, p1, _) = pp
+        if fdt not in fw[3] or not shape or 0 in shape or _get_device() != dev:
+            return MISS
+        dx, pd = fw[1](y, None, None)
+        key = (opname, fdt, shape, p0 & 15, p1 & 15)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plan(key, opname, (y, dy, dx, None), None, 0, dev)
+        if pd & 15:
+            return MISS
+        stream = fw[2](dev)
+    except Exception:  # noqa: BLE001
+        return MISS
+    plan.k.launch(dev, plan.grid, plan.block, stream,
+                  (pd, 0, p0, p1, 0, 0, 0, 0, 0, 0, 0, 0, 0, *plan.tail, 0.0, 0.0),
+                  shared_mem=plan.smem)
+    return dx
+
+
+def _stats(fw, s, a, rows, dev):
+    """Pointer of a statistics operand: ``a`` dtype, C-contiguous, ``rows`` values, or None."""
+    ps = fw[0](s)
+    if ps is None or ps[0] != a or ps[3] != dev:
+        return None
+    n = 1
+    for e in ps[1]:
+        n *= e
+    return ps[2] if n == rows else None
+
+
+def norm_backward(opname, dy, x, weight, mean, rstd):
+    """``rms_norm_backward`` / ``layer_norm_backward`` with ``stream=None``."""
+    try:
+        tp = type(x)
+        fw = _frameworks.get(tp, 0)
+        if fw == 0:
+            fw = _framework(tp)
+        if fw is None or type(rstd) is not tp:
+            return MISS
+        pp = _pair(fw, x, dy)
+        if pp is None:
+            return MISS
+        (fdt, shape, p0, dev), (_, _, p1, _) = pp
+        new = fw[1]
+        a = fw[3].get(fdt)
+        if a is None or not shape or 0 in shape or _get_device() != dev:
+            return MISS
+        cols = shape[-1]
+        rows = 1
+        for e in shape[:-1]:
+            rows *= e
+        ps = _stats(fw, rstd, a, rows, dev)
+        pm = 0
+        if opname == "layer_norm_backward":
+            if type(mean) is not tp:
+                return MISS
+            pm = _stats(fw, mean, a, rows, dev)
+            if pm is None:
+                return MISS
+        if ps is None:
+            return MISS
+        pw = flags = 0
+        wdt = None
+        if weight is not None:
+            if type(weight) is not tp:
+                return MISS
+            r = _weight(fw, weight, fdt, cols, dev)
+            if r is None:
+                return MISS
+            pw, flags, wdt = r
+        dx, pd = new(x, None, None)
+        key = (opname, fdt, shape, wdt, p0 & 15, p1 & 15)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plan(key, opname, (x, dy, dx, None), weight, flags, dev)
+        if pd & 15:
+            return MISS
+        dw = db = parts0 = parts1 = None  # the partial sums live until both launches are queued
+        pp0 = pp1 = pdw = pdb = 0
+        if wdt is not None:
+            dw, pdw = new(x, (cols,), wdt)
+            if plan.nparts:
+                parts0, pp0 = new(x, (plan.nparts, cols), a)
+            if opname == "layer_norm_backward":
+                db, pdb = new(x, (cols,), wdt)
+                if plan.nparts:
+                    parts1, pp1 = new(x, (plan.nparts, cols), a)
+        stream = fw[2](dev)
+    except Exception:  # noqa: BLE001
+        return MISS
+    plan.k.launch(dev, plan.grid, plan.block, stream,
+                  (pd, 0, p0, p1, pw, 0, pm, ps, pp0, pp1, 0, 0, 0, *plan.tail, 0.0, 0.0),
+                  shared_mem=plan.smem)
+    if dw is not None:
+        plan.ks.launch(dev, plan.cs_grid, rc.COL_SUM_W ** 2, stream,
+                       (pp0, plan.nparts, cols, pdw, 1))
+        if db is not None:
+            plan.ks.launch(dev, plan.cs_grid, rc.COL_SUM_W ** 2, stream,
+                           (pp1, plan.nparts, cols, pdb, 1))
+    del parts0, parts1  # freed in stream order: the launches above are queued first
+    if opname == "layer_norm_backward":
+        return dx, dw, db
+    return dx, dw
