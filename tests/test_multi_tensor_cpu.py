@@ -196,3 +196,24 @@ def test_host_dlpack_producer_is_a_type_error_before_any_gpu_call(monkeypatch):
     monkeypatch.setattr(_runtime, "cupy", no_gpu)
     with pytest.raises(TypeError, match=r"add_: tensors\[0\] must be a CUDA device array .*host data"):
         foreach.add_([FakeDLPack((4,), device_type=1)], 1.0)
+
+
+@pytest.mark.parametrize("slot", [0, 1])
+def test_patch_gives_the_table_of_the_new_pointers(slot):
+    """Repointing one list (an optimizer's new gradients) patches the packed table into
+    exactly what packing the new pointers gives: pointers and alignment bits, per dtype
+    group, other lists untouched."""
+    f32, bf16 = _dtypes.from_name("float32"), _dtypes.from_name("bfloat16")
+    dts = [f32, bf16, f32, bf16, f32]
+    sizes = [5, 4097, 1, 70001, 64]
+    base = 0x7F0000000000
+    old = [[base + (k << 24) + (i << 20) for i in range(5)] for k in range(3)]
+    new_ptrs = [base + (9 << 24) + (i << 20) + (8 if i in (1, 2) else 0) for i in range(5)]
+    slot_dt = [dts, dts, dts]
+    groups, blob, _, _ = P.layout(old, sizes, slot_dt, 2048)
+    want = [list(p) for p in old]
+    want[slot] = new_ptrs
+    groups2, blob2, _, _ = P.layout(want, sizes, slot_dt, 2048)
+    assert groups2 == groups
+    assert P.patch(groups, blob, slot, new_ptrs) == blob2
+    assert P.patch(groups, blob, slot, old[slot]) == blob

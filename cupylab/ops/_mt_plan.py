@@ -203,7 +203,7 @@ class Plan:
     """The packed, uploaded metadata of one call's lists (see the module docstring)."""
 
     __slots__ = ("device", "kind", "n", "sizes", "groups", "chunk", "nblocks", "tb_ptr", "buf",
-                 "stream", "partial", "scratch", "refs", "upload", "__weakref__")
+                 "stream", "partial", "scratch", "refs", "upload", "layout", "__weakref__")
 
     def workspace(self):
         """Device addresses ``(partials, scratch)``: one float64 per block for the norms, and
@@ -332,12 +332,16 @@ def ready(plan, stream):
 
 def build(slot_views, sizes, device, kind, stream, chunk=None):
     """Pack and upload the tables for validated views (per slot a list of Views or None)."""
-    cp = _runtime.cupy()
     if chunk is None:
         chunk = choose_chunk(sum(sizes), _runtime.device_info(device).sm_count)
     slot_ptrs = [None if vs is None else [v.ptr for v in vs] for vs in slot_views]
     slot_dt = [None if vs is None else [v.dtype for v in vs] for vs in slot_views]
     groups, blob, tb_off, nblocks = layout(slot_ptrs, sizes, slot_dt, chunk)
+    return _upload_plan(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stream)
+
+
+def _upload_plan(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stream):
+    cp = _runtime.cupy()
     ws_off = -(-len(blob) // 16) * 16  # then the workspace: partials (float64) and scratch
     total = ws_off + 8 * max(nblocks, 1) + 16
     if capturing(cp.cuda.runtime, stream):
@@ -355,6 +359,7 @@ def build(slot_views, sizes, device, kind, stream, chunk=None):
     plan.partial, plan.scratch = base + ws_off, base + ws_off + 8 * max(nblocks, 1)
     plan.refs = None
     plan.upload = up
+    plan.layout = (groups, blob, tb_off)
     plan.groups = []
     for sig, idx, toff, moff, nb, first in groups:
         g = Group()
@@ -362,6 +367,40 @@ def build(slot_views, sizes, device, kind, stream, chunk=None):
         g.tab_ptr, g.map_ptr = base + toff, base + moff
         plan.groups.append(g)
     return plan
+
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def patch(groups, blob, slot, ptrs):
+    """``blob`` (the tables :func:`layout` packed for ``groups``) with the pointers of list
+    ``slot`` replaced by ``ptrs`` (one per tensor, in list order) and the alignment bits
+    recomputed: what :func:`layout` gives for the new pointers (no GPU)."""
+    import numpy as np  # noqa: PLC0415
+
+    blob = bytearray(blob)
+    for sig, idx, toff, _, _, _ in groups:
+        nl = len(sig)
+        tab = np.frombuffer(blob, dtype=np.int64, count=len(idx) * (nl + 1),
+                            offset=toff).reshape(len(idx), nl + 1)
+        tab[:, slot] = np.array([ptrs[i] for i in idx], dtype=np.uint64).view(np.int64)
+        aligned = np.ones(len(idx), dtype=bool)
+        for k, name in enumerate(sig):
+            if name is not None:
+                aligned &= (tab[:, k].view(np.uint64) % np.uint64(4 * _ITEMSIZE[name])) == 0
+        tab[:, nl] = (tab[:, nl] & (ALIGNED_BIT - 1)) | (aligned.astype(np.int64) << 62)
+    return bytes(blob)
+
+
+def repoint(plan, slot, ptrs, stream):
+    """A plan for the same lists with the arrays of list ``slot`` replaced by arrays of the
+    same shapes and dtypes at the addresses ``ptrs``: the host table patched (:func:`patch`)
+    and uploaded as a new table on ``stream``; nothing is regrouped or validated here (the
+    caller checks the new arrays). An optimizer's gradients are new tensors after every
+    ``zero_grad(set_to_none=True)``: this keeps the step's host work small for them."""
+    groups, blob, tb_off = plan.layout
+    return _upload_plan(plan.device, plan.kind, plan.sizes, plan.chunk, groups,
+                        patch(groups, blob, slot, ptrs), tb_off, plan.nblocks, stream)
 
 
 _recording = threading.local()

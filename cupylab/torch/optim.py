@@ -37,6 +37,22 @@ __all__ = ["Adam", "AdamW", "SGD", "Lion"]
 
 _GRAD = operator.attrgetter("grad")
 _PTR = torch.Tensor.data_ptr
+_STRIDED = torch.strided
+
+
+def _same_layout(params, grads, kp, kg):
+    """Whether ``grads`` can replace the gradients of a stored plan for ``params`` without a
+    full validation: each a plain dense CUDA tensor of its param's shape, dtype and device,
+    contiguous, with no lazy conj/neg bit and not a param itself. Anything else takes the
+    full path, which raises the documented errors."""
+    if not set(kg).isdisjoint(kp):
+        return False
+    for p, g in zip(params, grads):
+        if (g.dtype != p.dtype or g.shape != p.shape or g.layout is not _STRIDED
+                or not g.is_contiguous() or g.get_device() != p.get_device() or g.is_neg()
+                or g.is_conj()):
+            return False
+    return True
 
 
 class _Fused:
@@ -98,12 +114,16 @@ class _Fused:
             if not pg:
                 return None
             params, grads = [a for a, _ in pg], [b for _, b in pg]
-        key = (tuple(map(_PTR, params)), tuple(map(_PTR, grads)))
+        kp, kg = tuple(map(_PTR, params)), tuple(map(_PTR, grads))
         hit = self._cl_plans.get(gi)
-        if hit is not None and hit[0] == key:
-            plan = hit[1]
+        if hit is not None and hit[0] == kp and (hit[1] == kg or _same_layout(params, grads, kp,
+                                                                                kg)):
+            plan = hit[2]
             with _launch.ensure_device(plan.device):
                 s = _launch.current_stream("torch", plan.device)
+            if hit[1] != kg:  # new gradient tensors (zero_grad(set_to_none=True)): repoint
+                plan = P.repoint(plan, 1, kg, s)
+                self._cl_plans[gi] = (kp, kg, plan)
             P.ready(plan, s)
             return plan, s, params
         for p, g in zip(params, grads):
@@ -113,7 +133,7 @@ class _Fused:
         self._cl_steps.pop(gi, None)  # new states join the group's step counter
         plan, s = F._validate(f"{type(self).__name__}.step", names, lists, writes,
                               (1,), None, ())
-        self._cl_plans[gi] = (key, plan)
+        self._cl_plans[gi] = (kp, kg, plan)
         return plan, s, params
 
     def _cl_amp(self, found_inf, grad_scale):
