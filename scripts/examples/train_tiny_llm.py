@@ -202,7 +202,9 @@ def profile_steps(mode, one_step, args, cuda, steps=3):
         sync()
         wall = (time.perf_counter() - t) / steps
     ka = prof.key_averages()
-    dev_us = sum(getattr(e, "self_device_time_total", 0) for e in ka) / steps
+    # the kernels' own rows (device type CUDA): an operator's row repeats its kernels' time
+    dev_us = sum(e.self_device_time_total for e in ka
+                 if str(getattr(e, "device_type", "")).endswith("CUDA")) / steps
     sync_us = sum(e.self_cpu_time_total for e in ka
                   if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                "cudaEventSynchronize")) / steps
