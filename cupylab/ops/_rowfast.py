@@ -12,7 +12,8 @@ pointer, shape and dtype, allocates its outputs and launches the planned kernel(
 
 Anything else — including every error case — returns :data:`MISS` and the caller takes the
 general path, which validates fully and raises the documented errors; both paths launch the
-same kernels with the same arguments (a CPU test compares the packed arguments).
+same kernels with the same arguments (GPU tests compare both paths' launches and results bit for
+bit; a CPU test drives this module with a fake framework).
 """
 from __future__ import annotations
 
@@ -31,11 +32,10 @@ class Plan:
     """What a call of one signature launches: the row kernel (``k``, ``grid``, ``block``,
     ``smem``), the constant tail of its arguments (``tail``: rows ... column strides),
     ``nparts`` rows of partial sums and the column-sum kernel ``ks`` for the weight
-    gradients, and the shapes/dtypes of the statistics and partial sums in the caller's
-    framework (``lead``, ``acc``)."""
+    gradients (``cs_grid`` blocks), and the leading shape of the statistics (``lead``)."""
 
     __slots__ = ("k", "grid", "block", "smem", "tail", "nparts", "ks", "cs_grid", "lead",
-                 "acc", "cols")
+                 "cols")
 
 
 # -- the two frameworks ------------------------------------------------------------------------
@@ -91,9 +91,7 @@ _cupy_current = None
 
 
 def _framework(tp):
-    fw = _frameworks.get(tp, 0)
-    if fw != 0:
-        return fw
+    """Classify an array type (first use): the torch or CuPy tuple, or None."""
     global _torch_empty_like, _torch_empty, _torch_stream, _cupy_ndarray, _cupy_current
     global _get_device
     fw = None
@@ -123,6 +121,46 @@ def _framework(tp):
         _get_device = _runtime.cupy().cuda.runtime.getDevice
     _frameworks[tp] = fw
     return fw
+
+
+def _fw(tp):
+    """The framework tuple for arrays of type ``tp`` (cached), or None."""
+    fw = _frameworks.get(tp, 0)
+    return _framework(tp) if fw == 0 else fw
+
+
+def _lead(x):
+    """``(framework, type, probe)`` of a call's first array when the lean path may take it:
+    a plain C-contiguous float array of a known framework with rows to compute, on the
+    current device; else None."""
+    tp = type(x)
+    fw = _fw(tp)
+    if fw is None:
+        return None
+    px = fw[0](x)
+    if px is None or px[0] not in fw[3] or not px[1] or 0 in px[1] or _get_device() != px[3]:
+        return None
+    return fw, tp, px
+
+
+def _same(fw, tp, b, pa):
+    """The address of ``b`` when it is an array like the probed one (``pa``): same type,
+    dtype, shape and device, plain C-contiguous; else None."""
+    if type(b) is not tp:
+        return None
+    pb = fw[0](b)
+    if pb is None or pb[0] != pa[0] or pb[1] != pa[1] or pb[3] != pa[3]:
+        return None
+    return pb[2]
+
+
+def _lead_pair(a, b):
+    """:func:`_lead` of ``a`` plus the address of ``b``, an array like it; or None."""
+    lead = _lead(a)
+    if lead is None:
+        return None
+    p1 = _same(lead[0], lead[1], b, lead[2])
+    return None if p1 is None else (*lead, p1)
 
 
 def _plan(key, opname, objs, weight, flags, dev):
@@ -164,9 +202,12 @@ def _plan(key, opname, objs, weight, flags, dev):
     return p
 
 
-def _weight(fw, w, fdt, cols, dev):
+def _weight(fw, tp, w, fdt, cols, dev):
     """``(pointer, flags, dtype)`` of a weight/bias for x of dtype ``fdt``, or None to miss:
-    shape (cols,), contiguous, x's dtype or float32 with 16-bit x, on ``dev``."""
+    x's array type ``tp``, shape (cols,), contiguous, x's dtype or float32 with 16-bit x, on
+    ``dev``."""
+    if type(w) is not tp:
+        return None
     pw = fw[0](w)
     if pw is None or pw[3] != dev or len(pw[1]) != 1 or pw[1][0] != cols:
         return None
@@ -181,41 +222,27 @@ def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
     """``rms_norm`` / ``layer_norm`` / ``add_rms_norm`` with ``out=None``, ``stream=None``:
     the result as the general path returns it, or :data:`MISS`."""
     try:
-        tp = type(x)
-        fw = _frameworks.get(tp, 0)
-        if fw == 0:
-            fw = _framework(tp)
-        if fw is None or type(eps) not in (float, int) or not eps >= 0:
+        lead = _lead(x) if type(eps) in (float, int) and eps >= 0 else None
+        if lead is None:
             return MISS
-        probe, new, stream_of, acc = fw
-        px = probe(x)
-        if px is None:
-            return MISS
+        fw, tp, px = lead
+        new, stream_of = fw[1], fw[2]
         fdt, shape, p0, dev = px
-        a = acc.get(fdt)
-        if a is None or not shape or not shape[-1] or 0 in shape or _get_device() != dev:
-            return MISS
+        a = fw[3][fdt]
         cols = shape[-1]
         p1 = pw = pb = flags = 0
         wdt = None
         if residual is not None:
-            if type(residual) is not tp:
+            p1 = _same(fw, tp, residual, px)
+            if p1 is None:
                 return MISS
-            pr = probe(residual)
-            if pr is None or pr[0] != fdt or pr[1] != shape or pr[3] != dev:
-                return MISS
-            p1 = pr[2]
         if weight is not None:
-            if type(weight) is not tp:
-                return MISS
-            r = _weight(fw, weight, fdt, cols, dev)
+            r = _weight(fw, tp, weight, fdt, cols, dev)
             if r is None:
                 return MISS
             pw, flags, wdt = r
         if bias is not None:
-            if type(bias) is not tp:
-                return MISS
-            r = _weight(fw, bias, fdt, cols, dev)
+            r = _weight(fw, tp, bias, fdt, cols, dev)
             if r is None or (wdt is not None and r[2] != wdt):
                 return MISS
             pb, flags = r[0], r[1]
@@ -255,20 +282,13 @@ def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
 def softmax(opname, x, axis):
     """``softmax`` / ``log_softmax`` over the last axis with ``out=None``, ``stream=None``."""
     try:
-        tp = type(x)
-        fw = _frameworks.get(tp, 0)
-        if fw == 0:
-            fw = _framework(tp)
-        if fw is None or type(axis) is not int:
+        lead = _lead(x) if type(axis) is int else None
+        if lead is None:
             return MISS
-        probe, new, stream_of, acc = fw
-        px = probe(x)
-        if px is None:
-            return MISS
+        fw, _, px = lead
+        new, stream_of = fw[1], fw[2]
         fdt, shape, p0, dev = px
-        nd = len(shape)
-        if (fdt not in acc or not nd or (axis != -1 and axis != nd - 1) or 0 in shape
-                or _get_device() != dev):
+        if axis != -1 and axis != len(shape) - 1:
             return MISS
         y, py = new(x, None, None)
         key = (opname, fdt, shape, p0 & 15)
@@ -286,32 +306,13 @@ def softmax(opname, x, axis):
     return y
 
 
-def _pair(fw, a, b):
-    """Probes of two same-shaped, same-dtype operands on one device, or None."""
-    pa = fw[0](a)
-    if pa is None or type(b) is not type(a):
-        return None
-    pb = fw[0](b)
-    if pb is None or pb[0] != pa[0] or pb[1] != pa[1] or pb[3] != pa[3]:
-        return None
-    return pa, pb
-
-
 def softmax_backward(opname, y, dy):
     """``softmax_backward`` / ``log_softmax_backward`` with ``out=None``, ``stream=None``."""
     try:
-        tp = type(y)
-        fw = _frameworks.get(tp, 0)
-        if fw == 0:
-            fw = _framework(tp)
-        if fw is None:
+        lead = _lead_pair(y, dy)
+        if lead is None:
             return MISS
-        pp = _pair(fw, y, dy)
-        if pp is None:
-            return MISS
-        (fdt, shape, p0, dev), (_, _, p1, _) = pp
-        if fdt not in fw[3] or not shape or 0 in shape or _get_device() != dev:
-            return MISS
+        fw, _, (fdt, shape, p0, dev), p1 = lead
         dx, pd = fw[1](y, None, None)
         key = (opname, fdt, shape, p0 & 15, p1 & 15)
         plan = _plans.get(key)
@@ -342,20 +343,12 @@ def _stats(fw, s, a, rows, dev):
 def norm_backward(opname, dy, x, weight, mean, rstd):
     """``rms_norm_backward`` / ``layer_norm_backward`` with ``stream=None``."""
     try:
-        tp = type(x)
-        fw = _frameworks.get(tp, 0)
-        if fw == 0:
-            fw = _framework(tp)
-        if fw is None or type(rstd) is not tp:
+        lead = _lead_pair(x, dy)
+        if lead is None or type(rstd) is not lead[1]:
             return MISS
-        pp = _pair(fw, x, dy)
-        if pp is None:
-            return MISS
-        (fdt, shape, p0, dev), (_, _, p1, _) = pp
+        fw, tp, (fdt, shape, p0, dev), p1 = lead
         new = fw[1]
-        a = fw[3].get(fdt)
-        if a is None or not shape or 0 in shape or _get_device() != dev:
-            return MISS
+        a = fw[3][fdt]
         cols = shape[-1]
         rows = 1
         for e in shape[:-1]:
@@ -373,9 +366,7 @@ def norm_backward(opname, dy, x, weight, mean, rstd):
         pw = flags = 0
         wdt = None
         if weight is not None:
-            if type(weight) is not tp:
-                return MISS
-            r = _weight(fw, weight, fdt, cols, dev)
+            r = _weight(fw, tp, weight, fdt, cols, dev)
             if r is None:
                 return MISS
             pw, flags, wdt = r
