@@ -217,3 +217,30 @@ def test_patch_gives_the_table_of_the_new_pointers(slot):
     assert groups2 == groups
     assert P.patch(groups, blob, slot, new_ptrs) == blob2
     assert P.patch(groups, blob, slot, old[slot]) == blob
+
+
+def test_dead_uploads_are_released_once_complete_and_captured_events_kept(monkeypatch):
+    """A dead table upload keeps its pinned staging memory until its event is seen complete
+    (never waited for); an event a graph capture waits on is never destroyed."""
+    class RT:
+        destroyed = []
+
+        def __init__(self, done):
+            self.done = done
+
+        def eventQuery(self, ev):
+            return 0 if ev in self.done else 600  # cudaErrorNotReady
+
+        def eventDestroy(self, ev):
+            RT.destroyed.append(ev)
+
+    rt = RT({1, 3})
+    monkeypatch.setattr(P, "_parked", [(rt, 1, "pinned1", False), (rt, 2, "pinned2", False),
+                                       (rt, 3, "pinned3", True)])
+    P._release_parked(rt)
+    assert [item[1] for item in P._parked] == [2]  # 1 and 3 released, 2 still in flight
+    assert RT.destroyed == [1]  # 3 was captured: its event stays
+    up = P._Upload()
+    up.rt, up.event, up.host, up.captured = rt, 7, "pinned7", False
+    del up
+    assert P._parked[-1] == (rt, 7, "pinned7", False)

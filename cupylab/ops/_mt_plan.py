@@ -6,8 +6,9 @@ Table layout (see ``cuda_src/cupylab_multi_tensor.cuh``): per tensor ``NL`` data
 per tensor an ``int2`` ``[first block, end block)`` into the norm partials. Tensors are grouped
 by their dtypes (one launch per group); one upload of one buffer per list, on the caller's
 stream from pinned memory, without a host synchronisation (a launch on another stream waits
-for it once: :func:`ready`); per call the host packs 15 numbers
-per group and launches. Chunks of ``chunk`` elements (a power of two between
+for it on the GPU: :func:`ready`); per call the host packs 15 numbers per group and launches.
+:func:`repoint` patches one list's addresses into a copy of a table (an optimizer's new
+gradient tensors). Chunks of ``chunk`` elements (a power of two between
 :data:`MIN_CHUNK` and :data:`MAX_CHUNK`, chosen so that the launch has at least about 16
 blocks per SM) make one block each, so a huge tensor and a thousand tiny ones spread over the
 SMs alike. Element offsets are 64-bit.
@@ -256,7 +257,7 @@ class _Upload:
     run during someone's graph capture) and released by a later :meth:`start` that finds its
     event completed — never waited for."""
 
-    __slots__ = ("event", "host", "rt")
+    __slots__ = ("event", "host", "rt", "captured")
 
     @classmethod
     def start(cls, cp, dst, blob, stream):
@@ -267,7 +268,7 @@ class _Upload:
         ctypes.memmove(host.ptr, blob, len(blob))
         rt.memcpyAsync(dst, host.ptr, len(blob), 1, stream)  # 1: cudaMemcpyHostToDevice
         up = cls()
-        up.rt, up.host = rt, host
+        up.rt, up.host, up.captured = rt, host, False
         up.event = rt.eventCreateWithFlags(rt.eventDisableTiming)
         rt.eventRecord(up.event, stream)
         return up
@@ -280,12 +281,15 @@ class _Upload:
 
     def __del__(self):
         try:
-            _parked.append((self.rt, self.event, self.host))
+            _parked.append((self.rt, self.event, self.host, self.captured))
         except Exception:  # noqa: BLE001 - a half-built upload, interpreter shutdown
             pass
 
 
-_parked: list = []  # (runtime, event, pinned memory) of dead uploads not yet seen complete
+# (runtime, event, pinned memory, captured) of dead uploads not yet seen complete. An event
+# that a graph capture waits on (an external event node) is never destroyed: the graph may
+# be replayed after the upload is gone.
+_parked: list = []
 _EVENT_WAIT_EXTERNAL = 1  # cudaEventWaitExternal
 
 
@@ -297,7 +301,8 @@ def _release_parked(rt):
         except Exception:  # noqa: BLE001
             finished = False
         if finished:
-            item[0].eventDestroy(item[1])
+            if not item[3]:
+                item[0].eventDestroy(item[1])
         else:
             keep.append(item)
     _parked[:] = keep
@@ -324,6 +329,7 @@ def ready(plan, stream):
     rt = up.rt
     if capturing(rt, stream):
         rt.streamWaitEvent(stream, up.event, _EVENT_WAIT_EXTERNAL)
+        up.captured = True
     elif up.done():
         plan.upload = None
     else:

@@ -625,7 +625,9 @@ def prepare(fn, *args, stream=None, **kwargs):
     ``call = cupylab.foreach.prepare(cupylab.foreach.add_, xs, ys, alpha=0.5)`` then
     ``call()`` in the loop: no per-array host work at all (one launch per dtype group; the
     host cost does not depend on the number of arrays). Everything is validated here, nothing
-    runs here except allocations the call makes (outputs, a zeroed ``found_inf``).
+    runs here except allocations the call makes (outputs, a zeroed ``found_inf``) and the
+    upload of the launch tables, which this function waits for (once, on the host), since the
+    replays may run on any stream.
 
     Host scalars are frozen into the launch (``alpha``, ``lr``, an integer ``step``...): pass
     one-element float32 GPU arrays for values that change between calls (``lr``, ``step``,
