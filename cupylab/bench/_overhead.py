@@ -27,7 +27,9 @@ Rows, for torch and for CuPy inputs (whichever are usable):
   ``rms_norm`` with a weight (no grad), each against ``torch.nn.functional.rms_norm``:
   ``cupylab.torch.functional.rms_norm`` (the eager no-grad path), the registered operator
   ``torch.ops.cupylab.rms_norm`` (the dispatcher and the custom-op layer; it also returns
-  ``rstd``), and ``cupylab.rms_norm`` called directly.
+  ``rstd``), and ``cupylab.rms_norm`` called directly; and with grad, forward + backward
+  through autograd against torch's, and ``cupylab.rms_norm_backward`` against
+  ``aten._fused_rms_norm_backward`` (torch >= 2.9).
 """
 from __future__ import annotations
 
@@ -200,9 +202,35 @@ def _torch_integration_rows(torch, cupylab):
         op = torch.ops.cupylab.rms_norm
         return lambda: op(x, w, 1e-6)
 
+    xg = x.detach().requires_grad_()
+    wg = w.detach().requires_grad_()
+    dy = torch.randn_like(x)
+    rstd = cupylab.rms_norm(x, w, 1e-6, return_stats=True)[1]
+
+    def train_step():
+        from ..torch import functional as CF  # noqa: PLC0415
+
+        return lambda: CF.rms_norm(xg, (cols,), wg, 1e-6).backward(dy)
+
+    def torch_train_step():
+        return lambda: torch.nn.functional.rms_norm(xg, (cols,), wg, 1e-6).backward(dy)
+
+    def torch_backward():
+        if not hasattr(torch.ops.aten, "_fused_rms_norm_backward"):  # torch < 2.9
+            raise RuntimeError("torch.ops.aten._fused_rms_norm_backward needs torch >= 2.9")
+        r2 = rstd.view(rows, 1)
+        op = torch.ops.aten._fused_rms_norm_backward
+        return lambda: op(dy, x, [cols], r2, w, [True, True])
+
     return [
         _row("torch", f"cupylab.torch.functional.rms_norm(x, ({cols},), w), {size}, no grad",
              functional, peer, make_peer),
+        _row("torch", f"cupylab.torch.functional.rms_norm forward + backward (autograd), {size}",
+             train_step, "torch.nn.functional.rms_norm forward + backward (autograd)",
+             torch_train_step),
+        _row("torch", f"cupylab.rms_norm_backward(dy, x, w, rstd) (direct), {size}",
+             lambda: lambda: cupylab.rms_norm_backward(dy, x, w, rstd),
+             "torch.ops.aten._fused_rms_norm_backward (dx and dw)", torch_backward),
         _row("torch", f"torch.ops.cupylab.rms_norm(x, w, 1e-6) (registered op), {size}",
              registered, peer, make_peer),
         _row("torch", f"cupylab.rms_norm(x, w, 1e-6) (direct), {size}",
