@@ -190,7 +190,8 @@ def _results(name):
 
 t_fusion = _results("fusion.json")
 t_mixed = _results("mixed.json")
-ROWWISE = ("bf16", "fp32", "bwd", "small", "ce")  # rowwise_<x>.json -> table rowwise-<x>
+# rowwise_<x>.json of FILES -> table rowwise-<x>
+ROWWISE = tuple(f[len("rowwise_"):-len(".json")] for f in FILES if f.startswith("rowwise_"))
 
 
 def t_repeats(data):

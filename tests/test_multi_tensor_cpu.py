@@ -237,7 +237,7 @@ def test_dead_uploads_are_released_once_complete_and_captured_events_kept(monkey
     rt = RT({1, 3})
     monkeypatch.setattr(P, "_parked", [(rt, 1, "pinned1", False), (rt, 2, "pinned2", False),
                                        (rt, 3, "pinned3", True)])
-    P._release_parked(rt)
+    P._release_parked()
     assert [item[1] for item in P._parked] == [2]  # 1 and 3 released, 2 still in flight
     assert RT.destroyed == [1]  # 3 was captured: its event stays
     up = P._Upload()

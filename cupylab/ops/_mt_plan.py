@@ -263,7 +263,7 @@ class _Upload:
     def start(cls, cp, dst, blob, stream):
         """Copy ``blob`` to device address ``dst`` on ``stream`` without blocking the host."""
         rt = cp.cuda.runtime
-        _release_parked(rt)
+        _release_parked()
         host = cp.cuda.alloc_pinned_memory(len(blob))
         ctypes.memmove(host.ptr, blob, len(blob))
         rt.memcpyAsync(dst, host.ptr, len(blob), 1, stream)  # 1: cudaMemcpyHostToDevice
@@ -274,10 +274,7 @@ class _Upload:
         return up
 
     def done(self):
-        try:
-            return self.rt.eventQuery(self.event) == 0
-        except Exception:  # noqa: BLE001 - a CuPy that raises for "not ready"
-            return False
+        return _event_done(self.rt, self.event)
 
     def __del__(self):
         try:
@@ -293,14 +290,18 @@ _parked: list = []
 _EVENT_WAIT_EXTERNAL = 1  # cudaEventWaitExternal
 
 
-def _release_parked(rt):
+def _event_done(rt, event):
+    """Whether ``event`` has completed (a query: never waits)."""
+    try:
+        return rt.eventQuery(event) == 0
+    except Exception:  # noqa: BLE001 - a CuPy that raises for "not ready"
+        return False
+
+
+def _release_parked():
     keep = []
     for item in _parked:
-        try:
-            finished = item[0].eventQuery(item[1]) == 0
-        except Exception:  # noqa: BLE001
-            finished = False
-        if finished:
+        if _event_done(item[0], item[1]):
             if not item[3]:
                 item[0].eventDestroy(item[1])
         else:

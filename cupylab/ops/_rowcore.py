@@ -420,26 +420,44 @@ def _opt_in(k, device, smem):
     _smem_set[key] = smem
 
 
-def launch_rows(c, op, dt, lay, args_fn, parts_cb=None):
-    """Choose the kernel for ``lay`` and launch it on ``c.stream``. ``args_fn(parts_ptrs)``
-    returns the packed arguments given the partial-sum buffers (``parts_cb(nparts)`` makes
-    them for the weight-gradient ops). Returns ``(partial rows, class)``."""
-    info = _runtime.device_info(c.device)
+def plan_rows(op, dt, lay, device):
+    """The launch for ``lay`` on ``device``: ``(kernel, grid, block, dynamic shared memory,
+    partial rows)``, the kernel chosen by row length (:func:`choose`), the persistent pipeline
+    where it applies (:func:`pipe_plan`, shared memory opted in), else :func:`grid_for`."""
+    info = _runtime.device_info(device)
     cls = choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
-    pp = pipe_plan(op, cls, lay.rows, info.sm_count, info.max_smem_optin)
-    smem = 0
-    if pp is not None:
-        grid, smem = pp
-        nparts = 0
-        k = kernel(group_of(op), dt, kernel_name(op, dt, cls, True))
-        _opt_in(k, c.device, smem)  # beyond the 48 KiB default with the static reduce arrays
-    else:
-        grid, nparts = grid_for(op, cls, lay.rows, info.sm_count)
-        k = kernel(group_of(op), dt, kernel_name(op, dt, cls))
-    parts = parts_cb(nparts) if (parts_cb is not None and nparts) else {}
     block = GENERIC_THREADS if cls is None else cls[0]
+    pp = pipe_plan(op, cls, lay.rows, info.sm_count, info.max_smem_optin)
+    if pp is not None:
+        k = kernel(group_of(op), dt, kernel_name(op, dt, cls, True))
+        _opt_in(k, device, pp[1])  # beyond the 48 KiB default with the static reduce arrays
+        return k, pp[0], block, pp[1], 0
+    grid, nparts = grid_for(op, cls, lay.rows, info.sm_count)
+    return kernel(group_of(op), dt, kernel_name(op, dt, cls)), grid, block, 0, nparts
+
+
+def launch_rows(c, op, dt, lay, args_fn, parts_cb=None):
+    """Choose the kernel for ``lay`` (:func:`plan_rows`) and launch it on ``c.stream``.
+    ``args_fn(parts_ptrs)`` returns the packed arguments given the partial-sum buffers
+    (``parts_cb(nparts)`` makes them for the weight-gradient ops). Returns the partial rows."""
+    k, grid, block, smem, nparts = plan_rows(op, dt, lay, c.device)
+    parts = parts_cb(nparts) if (parts_cb is not None and nparts) else {}
     k.launch(c.device, grid, block, c.stream, args_fn(parts), shared_mem=smem)
-    return nparts, cls
+    return nparts
+
+
+def col_sum_kernel(dt, wdt):
+    """The weight-gradient column sum for x of dtype ``dt`` and weights of ``wdt``."""
+    a = acc_dtype(dt)
+    return kernel("norm_bwd", dt, f"cl::col_sum<{a.ctype}, {wdt.ctype}>",
+                  ("Q", "q", "q", "Q", "q"))
+
+
+def launch_col_sum(k, device, stream, part, nparts, cols, out):
+    """``out[c] = sum of the nparts rows of part[:, c]`` (deterministic) with ``k`` from
+    :func:`col_sum_kernel`: blocks of COL_SUM_W x COL_SUM_W threads, COL_SUM_W columns each."""
+    k.launch(device, max(1, -(-cols // COL_SUM_W)), COL_SUM_W ** 2, stream,
+             (part, nparts, cols, out, 1))
 
 
 def contiguous_1d(v):

@@ -17,9 +17,11 @@ bit; a CPU test drives this module with a fake framework).
 """
 from __future__ import annotations
 
+import functools
 import sys
 
-from .. import _arrays, _runtime
+from .. import _arrays, _launch, _runtime
+from .._elementwise_core import _np_dtype_for
 from . import _rowcore as rc
 
 MISS = object()
@@ -30,12 +32,11 @@ _plans: dict = {}
 
 class Plan:
     """What a call of one signature launches: the row kernel (``k``, ``grid``, ``block``,
-    ``smem``), the constant tail of its arguments (``tail``: rows ... column strides),
-    ``nparts`` rows of partial sums and the column-sum kernel ``ks`` for the weight
-    gradients (``cs_grid`` blocks), and the leading shape of the statistics (``lead``)."""
+    ``smem``: :func:`_rowcore.plan_rows`), the constant tail of its arguments (``tail``: rows
+    ... column strides), ``nparts`` rows of partial sums and the column-sum kernel ``ks`` for
+    the weight gradients, and the leading shape of the statistics (``lead``)."""
 
-    __slots__ = ("k", "grid", "block", "smem", "tail", "nparts", "ks", "cs_grid", "lead",
-                 "cols")
+    __slots__ = ("k", "grid", "block", "smem", "tail", "nparts", "ks", "lead")
 
 
 # -- the two frameworks ------------------------------------------------------------------------
@@ -74,49 +75,38 @@ def _new_cupy(like, shape, fdt):
     return o, o.data.ptr
 
 
-_frameworks: dict = {}  # type -> (probe, new, stream, acc dtype of a framework dtype) or None
+_frameworks: dict = {}  # type -> (probe, new, stream(device), {dtype: accumulation dtype})
 _get_device = None
-_torch_stream = None
 
 
-def _torch_raw_stream(dev):
-    return _torch_stream(dev)
-
-
-def _cupy_stream(dev):
-    return _cupy_current().ptr
-
-
-_cupy_current = None
+def _acc_table(conv):
+    """Framework dtype -> the framework's accumulation dtype (:func:`_rowcore.acc_dtype`), for
+    the float dtypes it has; ``conv`` maps a cupylab DType to the framework's (TypeError when
+    it has none)."""
+    table = {}
+    for d in rc.FLOATS:
+        try:
+            table[conv(d)] = conv(rc.acc_dtype(d))
+        except TypeError:  # bfloat16 CuPy arrays without ml_dtypes
+            pass
+    return table
 
 
 def _framework(tp):
     """Classify an array type (first use): the torch or CuPy tuple, or None."""
-    global _torch_empty_like, _torch_empty, _torch_stream, _cupy_ndarray, _cupy_current
-    global _get_device
+    global _torch_empty_like, _torch_empty, _cupy_ndarray, _get_device
     fw = None
     top = (tp.__module__ or "").split(".", 1)[0]
     torch = sys.modules.get("torch") if top == "torch" else None
     cp = sys.modules.get("cupy") if top == "cupy" else None
     if torch is not None and tp is torch.Tensor:
         _torch_empty_like, _torch_empty = torch.empty_like, torch.empty
-        _torch_stream = torch._C._cuda_getCurrentRawStream
-        acc = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
-               torch.float32: torch.float32, torch.float64: torch.float64}
-        fw = (_probe_torch, _new_torch, _torch_raw_stream, acc)
+        fw = (_probe_torch, _new_torch, functools.partial(_launch.current_stream, "torch"),
+              _acc_table(lambda d: getattr(torch, d.name)))
     elif cp is not None and tp is cp.ndarray:
-        _cupy_ndarray, _cupy_current = cp.ndarray, cp.cuda.get_current_stream
-        import numpy as np  # noqa: PLC0415 - CuPy is loaded, so NumPy is
-
-        acc = {np.dtype(n): np.dtype("float64" if n == "float64" else "float32")
-               for n in ("float16", "float32", "float64")}
-        try:  # bfloat16 CuPy arrays carry ml_dtypes' dtype
-            import ml_dtypes  # noqa: PLC0415
-
-            acc[np.dtype(ml_dtypes.bfloat16)] = np.dtype("float32")
-        except ImportError:
-            pass
-        fw = (_probe_cupy, _new_cupy, _cupy_stream, acc)
+        _cupy_ndarray = cp.ndarray
+        fw = (_probe_cupy, _new_cupy, functools.partial(_launch.current_stream, "cupy"),
+              _acc_table(lambda d: cp.dtype(_np_dtype_for(d))))
     if fw is not None and _get_device is None:
         _get_device = _runtime.cupy().cuda.runtime.getDevice
     _frameworks[tp] = fw
@@ -172,29 +162,12 @@ def _plan(key, opname, objs, weight, flags, dev):
     x = views[0]
     dt = x.dtype
     lay = rc.make_layout(opname, x.shape, views, -1)
-    info = _runtime.device_info(dev)
-    cls = rc.choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
     p = Plan()
-    pp = rc.pipe_plan(op, cls, lay.rows, info.sm_count, info.max_smem_optin)
-    p.smem = 0
-    if pp is not None:
-        p.grid, p.smem = pp
-        p.nparts = 0
-        p.k = rc.kernel(rc.group_of(op), dt, rc.kernel_name(op, dt, cls, True))
-        rc._opt_in(p.k, dev, p.smem)
-    else:
-        p.grid, p.nparts = rc.grid_for(op, cls, lay.rows, info.sm_count)
-        p.k = rc.kernel(rc.group_of(op), dt, rc.kernel_name(op, dt, cls))
-    p.block = rc.GENERIC_THREADS if cls is None else cls[0]
+    p.k, p.grid, p.block, p.smem, p.nparts = rc.plan_rows(op, dt, lay, dev)
     p.tail = rc.pack({}, lay, flags=flags)[13:-2]
-    p.cols = lay.cols
-    p.ks = p.cs_grid = None
+    p.ks = None
     if weight is not None and op in rc.BWD_W:
-        w = _arrays.as_view(weight, opname)
-        a = rc.acc_dtype(dt)
-        p.ks = rc.kernel("norm_bwd", dt, f"cl::col_sum<{a.ctype}, {w.dtype.ctype}>",
-                         ("Q", "q", "q", "Q", "q"))
-        p.cs_grid = max(1, -(-lay.cols // rc.COL_SUM_W))
+        p.ks = rc.col_sum_kernel(dt, _arrays.as_view(weight, opname).dtype)
     p.lead = tuple(x.shape[:-1])
     if len(_plans) >= _PLAN_CACHE_MAX:
         _plans.clear()
@@ -394,11 +367,9 @@ def norm_backward(opname, dy, x, weight, mean, rstd):
                   (pd, 0, p0, p1, pw, 0, pm, ps, pp0, pp1, 0, 0, 0, *plan.tail, 0.0, 0.0),
                   shared_mem=plan.smem)
     if dw is not None:
-        plan.ks.launch(dev, plan.cs_grid, rc.COL_SUM_W ** 2, stream,
-                       (pp0, plan.nparts, cols, pdw, 1))
+        rc.launch_col_sum(plan.ks, dev, stream, pp0, plan.nparts, cols, pdw)
         if db is not None:
-            plan.ks.launch(dev, plan.cs_grid, rc.COL_SUM_W ** 2, stream,
-                           (pp1, plan.nparts, cols, pdb, 1))
+            rc.launch_col_sum(plan.ks, dev, stream, pp1, plan.nparts, cols, pdb)
     del parts0, parts1  # freed in stream order: the launches above are queued first
     if opname == "layer_norm_backward":
         return dx, dw, db

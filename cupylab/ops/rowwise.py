@@ -438,17 +438,15 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
     with rc._launch.ensure_device(c.device):
         nparts = 0
         if lay.rows:
-            nparts, _ = rc.launch_rows(c, rc.OP[opname], xv.dtype, lay,
-                                       lambda parts: rc.pack({**ptrs, **parts}, lay, flags=flags),
-                                       parts_cb if wdt is not None else None)
+            nparts = rc.launch_rows(c, rc.OP[opname], xv.dtype, lay,
+                                    lambda parts: rc.pack({**ptrs, **parts}, lay, flags=flags),
+                                    parts_cb if wdt is not None else None)
         for target, k in ((dwv, 0), (dbv, 1)):
             if target is None:
                 continue
-            ks = rc.kernel("norm_bwd", xv.dtype, f"cl::col_sum<{a.ctype}, {wdt.ctype}>",
-                           ("Q", "q", "q", "Q", "q"))
             pptr = rc._arrays.as_view(bufs[k], "part").ptr if nparts else 0
-            ks.launch(c.device, max(1, -(-cols // rc.COL_SUM_W)), rc.COL_SUM_W ** 2, c.stream,
-                      (pptr, nparts, cols, target.ptr, 1))
+            rc.launch_col_sum(rc.col_sum_kernel(xv.dtype, wdt), c.device, c.stream, pptr,
+                              nparts, cols, target.ptr)
     res = [rc.finish(c, dxobj), rc.finish(c, dw) if dw is not None else None]
     if opname == "layer_norm_backward":
         res.append(rc.finish(c, db) if db is not None else None)
