@@ -8,8 +8,9 @@ Every table in docs/perf.md sits between two marker comments::
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
 (``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
-``mixed.json``, ``rowwise_*.json``), the Dask example's ``dask.json``, the training example's ``train_tiny_llm.json`` and the
-command file, and leaves every other line (the prose) alone. The per-case tables are formatted
+``mixed.json``, ``rowwise_*.json``), the Dask example's ``dask.json``, the training example's
+``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``, the multi-tensor bench's
+``multi_tensor.json`` and the command file, and leaves every other line (the prose) alone. The per-case tables are formatted
 by :mod:`cupylab.bench._report`, the same code that prints them on the command line.
 
 Usage (from the repository root; needs no GPU)::
@@ -238,35 +239,75 @@ def t_dask(data):
 
 
 DASK = "dask.json"  # scripts/examples/dask_chain.py --json (its own schema)
-TRAIN = "train_tiny_llm.json"  # scripts/examples/train_tiny_llm.py --json
+# scripts/examples/train_tiny_llm.py --json: the default (host-bound) batch and a GPU-bound one
+TRAIN = "train_tiny_llm.json"
+TRAIN_B64 = "train_tiny_llm_b64.json"
+MT = "multi_tensor.json"  # python -m cupylab.bench.multi_tensor --json (its own schema)
+MT_SCHEMA = "cupylab-multi-tensor/1"
 
 
-def t_train(data):
-    d = data[TRAIN]
-    a = d["args"]
-    head = (f"`python scripts/examples/train_tiny_llm.py --steps {a['steps']}` on {d['device']} "
-            f"(torch {d['torch']}): d_model {a['d_model']}, {a['layers']} layers, seq "
-            f"{a['seq']}, batch {a['batch']}, vocab {a['vocab']}, bf16 autocast; step time by "
-            f"CUDA events, median over the steps after the first {a['warmup']}; loss distance "
-            f"to the torch mode of the same kind (eager or compiled), bound "
-            f"{d['check']['bound']:g} relative (noise floor {d['check']['floor']:.1e}).")
-    peer = {"cupylab": "torch", "cupylab-compile": "torch-compile"}
-    recs = d["records"]
+def _train(name):
+    def table(data):
+        d = data[name]
+        a = d["args"]
+        extra = "".join(f" --{k.replace('_', '-')} {a[k]}" for k, dflt in
+                        (("batch", 16), ("d_model", 512), ("layers", 8), ("seq", 512))
+                        if a[k] != dflt)
+        head = (f"`python scripts/examples/train_tiny_llm.py --steps {a['steps']}{extra}` on "
+                f"{d['device']} (torch {d['torch']}): d_model {a['d_model']}, {a['layers']} "
+                f"layers, seq {a['seq']}, batch {a['batch']}, vocab {a['vocab']}, bf16 "
+                f"autocast; step time by CUDA events, median over the steps after the first "
+                f"{a['warmup']}; loss distance to the torch mode of the same kind (eager or "
+                f"compiled), bound {d['check']['bound']:g} relative (noise floor "
+                f"{d['check']['floor']:.1e}).")
+        peer = {"cupylab": "torch", "cupylab-compile": "torch-compile"}
+        recs = d["records"]
+        rows = []
+        for m, r in recs.items():
+            ratio = (f"{recs[peer[m]]['median_ms'] / r['median_ms']:.2f}" if m in peer else "")
+            rows.append([m, f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}-{r['p90_ms']:.2f}",
+                         f"{r['first_step_s']:.1f}", f"{r['peak_mem_gb']:.2f}",
+                         f"{r['rel_dist']:.1e}", ratio])
+        return [head, ""] + _table(["mode", "ms/step", "p10-p90", "1st step s", "peak GB",
+                                    "max rel loss dist", "torch / cupylab"], rows,
+                                   [False, True, True, True, True, True, True])
+    return table
+
+
+def t_mt(data):
+    d = data[MT]
+    e = d["env"]
+    head = (f"`{_command(e['argv'])}` on {e['gpu']} (torch {e['torch']}, CuPy {e['cupy']}, "
+            f"{e['timestamp'][:16]}Z). `adam_1000x4096` and `foreach_add` are wall clock per "
+            f"call with the host included (calls back to back, then one synchronisation; "
+            f"median of 5); `adam_llama` and `clip_llama` are GPU time by CUDA events, with "
+            f"the bandwidth on the bytes a parameter must move and its share of a "
+            f"device-to-device copy measured in the same run. The last column is the speed-up "
+            f"over the torch row of the same case.")
     rows = []
-    for m, r in recs.items():
-        ratio = (f"{recs[peer[m]]['median_ms'] / r['median_ms']:.2f}" if m in peer else "")
-        rows.append([m, f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}-{r['p90_ms']:.2f}",
-                     f"{r['first_step_s']:.1f}", f"{r['peak_mem_gb']:.2f}",
-                     f"{r['rel_dist']:.1e}", ratio])
-    return [head, ""] + _table(["mode", "ms/step", "p10-p90", "1st step s", "peak GB",
-                                "max rel loss dist", "torch / cupylab"], rows,
-                               [False, True, True, True, True, True, True])
+    for r in d["rows"]:
+        if r["case"] == "ceiling":
+            continue
+        ms = next(r[k] for k in ("ms_per_step_wall", "ms_per_call_wall", "ms_per_step_gpu",
+                                 "ms_per_call_gpu") if k in r)
+        kind = "wall" if any(k.endswith("_wall") for k in r) else "GPU"
+        x = r.get("speedup_vs_torch_fused", r.get("speedup_vs_torch"))
+        rows.append([r["case"], r["impl"], f"{ms:.4g} ({kind})",
+                     f"{r['GB/s']:,}" if "GB/s" in r else "",
+                     f"{r['pct_of_copy_ceiling']:.1f}" if "pct_of_copy_ceiling" in r else "",
+                     f"{x:.2f}"])
+    ceil = next((r["GB/s"] for r in d["rows"] if r["case"] == "ceiling"), None)
+    tail = [] if ceil is None else ["", f"Copy ceiling in this run: {ceil:,} GB/s."]
+    return [head, ""] + _table(["case", "implementation", "ms", "GB/s", "% of copy",
+                                "x torch"], rows,
+                               [False, False, True, True, True, True]) + tail
 
 
 TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "fusion": t_fusion,
           "repeats": t_repeats, "host": t_host, "graphs": t_graphs, "mixed": t_mixed,
-          "dask": t_dask, "train": t_train,
+          "dask": t_dask, "train": _train(TRAIN),
+          "train-b64": _train(TRAIN_B64), "multi-tensor": t_mt,
           **{f"rowwise-{x}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 
 
@@ -279,10 +320,13 @@ def load_data(data_dir: Path) -> dict:
             raise ValueError("not schema cupylab-dask-example/1")
     except (OSError, ValueError) as e:
         raise DocError(f"{data_dir / DASK}: {e}") from None
-    try:
-        data[TRAIN] = json.loads((data_dir / TRAIN).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DocError(f"{data_dir / TRAIN}: {e}") from None
+    for name in (TRAIN, TRAIN_B64, MT):
+        try:
+            data[name] = json.loads((data_dir / name).read_text(encoding="utf-8"))
+            if name == MT and data[name].get("schema") != MT_SCHEMA:
+                raise ValueError(f"not schema {MT_SCHEMA}")
+        except (OSError, ValueError) as e:
+            raise DocError(f"{data_dir / name}: {e}") from None
     for name in FILES:
         try:
             data[name] = _report.load(data_dir / name)

@@ -27,6 +27,7 @@ clip_llama
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -34,6 +35,7 @@ import time
 from . import _timing
 
 LLAMA_LAYERS = 16
+SCHEMA = "cupylab-multi-tensor/1"
 
 
 def llama_shapes(layers=LLAMA_LAYERS, hidden=2048, kv=512, ffn=8192, vocab=128256):
@@ -112,8 +114,9 @@ def adam_small(torch, rows, n):
 def copy_ceiling(torch, nbytes=4 << 30):
     a = torch.empty(nbytes // 4, device="cuda")
     b = torch.empty_like(a)
-    t = _events(torch, lambda: b.copy_(a), 5)
-    del a, b
+    copy = functools.partial(b.copy_, a)
+    t = _events(torch, copy, 5)
+    del a, b, copy
     return 2 * nbytes / (t * 1e-3) / 1e9
 
 
@@ -219,7 +222,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer steps per timing")
     ap.add_argument("--llama-fraction", type=float, default=1.0,
                     help="share of the 16 LLaMA layers to allocate (memory / time)")
-    ap.add_argument("--json", default=None, help="write the rows to this JSON file")
+    ap.add_argument("--json", default=None, help="write the rows, with the environment record "
+                    "(GPU, versions, command line), to this JSON file (schema "
+                    f"{SCHEMA}; docs/perf/multi_tensor.json is one)")
     a = ap.parse_args(argv)
     import torch
 
@@ -233,8 +238,14 @@ def main(argv=None):
     for r in rows:
         print(" | ".join(f"{k}={v}" for k, v in r.items()))
     if a.json:
+        import cupy  # noqa: PLC0415 - installed with cupylab
+
+        from . import _env  # noqa: PLC0415
+
+        doc = {"schema": SCHEMA, "env": _env.collect(cupy), "quick": a.quick,
+               "llama_fraction": a.llama_fraction, "rows": rows}
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(doc, f, indent=1)
     return 0
 
 
