@@ -277,7 +277,10 @@ def _train(name):
 def t_mt(data):
     d = data[MT]
     e = d["env"]
-    head = (f"`{_command(e['argv'])}` on {e['gpu']} (torch {e['torch']}, CuPy {e['cupy']}, "
+    argv = list(e["argv"])
+    if argv and argv[0].endswith("multi_tensor.py"):  # run as python -m cupylab.bench.multi_tensor
+        argv[:1] = ["python", "-m", "cupylab.bench.multi_tensor"]
+    head = (f"`{_command(argv)}` on {e['gpu']} (torch {e['torch']}, CuPy {e['cupy']}, "
             f"{e['timestamp'][:16]}Z). `adam_1000x4096` and `foreach_add` are wall clock per "
             f"call with the host included (calls back to back, then one synchronisation; "
             f"median of 5); `adam_llama` and `clip_llama` are GPU time by CUDA events, with "
