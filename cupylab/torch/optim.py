@@ -144,6 +144,15 @@ class _Fused:
         self._cl_plans[gi] = (kp, kg, plan)
         return plan, s, params
 
+    def _cl_begin(self, closure, found_inf, grad_scale):
+        """The start of every ``step``: ``(loss, found_inf, grad_scale)``, the loss from
+        ``closure`` run with grad enabled (None without a closure)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        return (loss, *self._cl_amp(found_inf, grad_scale))
+
     def _cl_amp(self, found_inf, grad_scale):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
@@ -223,11 +232,7 @@ class _AdamBase(_Fused):
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
         """One fused step; ``closure`` as torch's; ``found_inf`` / ``grad_scale``: see the
         module docstring."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        found_inf, grad_scale = self._cl_amp(found_inf, grad_scale)
+        loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
         adamw = isinstance(self, torch.optim.AdamW)
         for gi, group in enumerate(self.param_groups):
             r = self._cl_plan(gi, group)
@@ -325,11 +330,7 @@ class SGD(_Fused, torch.optim.SGD):
 
     @torch.no_grad()
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        found_inf, grad_scale = self._cl_amp(found_inf, grad_scale)
+        loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
         for gi, group in enumerate(self.param_groups):
             self._cl_first_pending = False
             r = self._cl_plan(gi, group)
@@ -398,11 +399,7 @@ class Lion(_Fused, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        found_inf, grad_scale = self._cl_amp(found_inf, grad_scale)
+        loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
         for gi, group in enumerate(self.param_groups):
             r = self._cl_plan(gi, group)
             if r is None:
