@@ -448,6 +448,7 @@ def test_a_new_list_is_set_up_without_a_host_synchronisation():
     torch = pytest.importorskip("torch")
     s = torch.cuda.Stream()
     ys = [torch.ones(n, device="cuda") for n in (5, 4097, 1)]
+    foreach.scale_([torch.ones(7, device="cuda")], 1.0)  # the kernel compiled and loaded first
     torch.cuda.synchronize()
     _busy(torch, s)
     with torch.cuda.stream(s):

@@ -254,12 +254,19 @@ def test_a_step_with_new_gradients_does_not_wait_for_the_gpu():
     matches torch's."""
     a = _params(torch.float32)
     b = _clone(a)
+    # the kernel compiled and loaded first, on other params: a cold cache's NVRTC compile in
+    # the first step could outlast the queued GPU work (what is tested is the step, not that)
+    warm = _clone(a)
+    for p in warm:
+        p.grad = torch.zeros_like(p)
+    _clo().AdamW(warm, lr=1e-2).step()
+    torch.cuda.synchronize()
     o1, o2 = _clo().AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2)
     gen = torch.Generator(device="cuda").manual_seed(9)
     s = torch.cuda.current_stream()
     for _ in range(3):
         _set_grads(gen, a, b, torch.float32)
-        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU work queued first
+        torch.cuda._sleep(400_000_000)  # about 0.2 s of GPU work queued first
         o1.step()
         assert not s.query()  # the step was queued behind it, the host did not wait
         o2.step()
