@@ -597,3 +597,45 @@ def test_normalized_shape_flattening_is_a_view(cpu_kernels):
     torch.testing.assert_close(y, TF.layer_norm(x, (3, 4), w, w))
     assert F.rms_norm(x, 4).shape == x.shape
     assert torch.allclose(F.softmax(torch.tensor(3.0)), torch.tensor(1.0))
+
+
+def test_eager_functions_return_the_differentiable_outputs_only(cpu_kernels, monkeypatch):
+    """The eager autograd Functions of the norms and cross-entropy return only what is
+    differentiable (statistics and the forward's gradient stay in the context), and their
+    gradients equal those of the registered operators' path."""
+    x = _g(4, 6, dtype=torch.float64)
+    w = _g(6, dtype=torch.float64, seed=1)
+    r = _g(4, 6, dtype=torch.float64, seed=2)
+    t = torch.tensor([0, 1, 2, 3])
+    fn = _autograd.FUNCTIONS
+    assert isinstance(fn["rms_norm"].apply(x, w, 1e-6), torch.Tensor)
+    assert isinstance(fn["layer_norm"].apply(x, w, None, 1e-5), torch.Tensor)
+    y, h = fn["add_rms_norm"].apply(x, r, w, 1e-6)
+    assert y.shape == h.shape == x.shape
+    loss = fn["cross_entropy"].apply(x, t, -100, "mean", 0.0, True)
+    assert isinstance(loss, torch.Tensor) and loss.shape == ()
+
+    def grads(compiling):
+        monkeypatch.setattr(F, "_compiling", lambda: compiling)
+        y, h = F.add_rms_norm(x, r, w)
+        z = F.layer_norm(y, 6, w) + F.rms_norm(h, 6, w)
+        (z.pow(2).sum() + 2 * h.sum() + F.cross_entropy(z, t)).backward()
+        out = [v.grad.clone() for v in (x, r, w)]
+        for v in (x, r, w):
+            v.grad = None
+        return out
+
+    for a, b in zip(grads(False), grads(True)):
+        torch.testing.assert_close(a, b)
+
+
+def test_eager_backward_is_once_differentiable(cpu_kernels):
+    """With create_graph=True the eager backward still runs (once_differentiable), and a
+    second differentiation through it raises."""
+    x = _g(4, 6, dtype=torch.float64)
+    w = _g(6, dtype=torch.float64, seed=1)
+    (gx,) = torch.autograd.grad(F.rms_norm(x, 6, w).pow(2).sum(), x, create_graph=True)
+    (ref,) = torch.autograd.grad(F.rms_norm(x, 6, w).pow(2).sum(), x)
+    torch.testing.assert_close(gx.detach(), ref)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice|double"):
+        gx.sum().backward()

@@ -7,7 +7,9 @@ statistics and the tensors the formula needs, never a recomputed activation) and
 * the registered operators (:mod:`cupylab.torch._library`) pass ``torch.ops.cupylab``, so that
   torch.compile traces the backward into calls of registered operators;
 * the eager ``torch.autograd.Function`` classes built here (:data:`FUNCTIONS`) pass
-  :mod:`cupylab.torch._kernels`, which launches the same kernels without the dispatcher.
+  :mod:`cupylab.torch._kernels`, which launches the same kernels without the dispatcher. They
+  return the differentiable outputs only: a norm's statistics and cross-entropy's ``dlogits``
+  are saved in the context, not returned (each extra output costs autograd host time).
 
 The forward of a Function is the function of the same name in :mod:`cupylab.torch._kernels`,
 the real implementation of the registered operator too. Gradients of unused outputs arrive as
@@ -22,6 +24,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _kernels
+
+_grad_enabled = torch.is_grad_enabled
 
 __all__ = ["FORMULAS", "FUNCTIONS"]
 
@@ -266,17 +270,40 @@ FORMULAS = {
 }
 
 
+#: operator name -> (outputs the eager Function returns, outputs of the kernel function): the
+#: statistics (and cross-entropy's gradient written by the forward) stay in the context
+#: instead of being returned as non-differentiable outputs, which costs autograd an output
+#: each
+_EAGER_OUTPUTS = {"rms_norm": (1, 2), "layer_norm": (1, 3), "add_rms_norm": (2, 3),
+                  "cross_entropy": (1, 2)}
+
+
 def _function(name, setup, backward):
     """The eager ``torch.autograd.Function`` of operator ``name``: forward
-    ``_kernels.<name>`` (looked up per call), ``setup``, and ``backward`` with the kernels of
-    :mod:`cupylab.torch._kernels`."""
+    ``_kernels.<name>`` (looked up per call) and ``setup``; it returns the differentiable
+    outputs (:data:`_EAGER_OUTPUTS`). Backward: ``backward`` with the kernels of
+    :mod:`cupylab.torch._kernels`, called directly, or through ``once_differentiable`` when
+    grad mode is on in the backward (``create_graph=True``), which makes a second
+    differentiation raise."""
+    n, total = _EAGER_OUTPUTS.get(name, (None, None))
+    kern = functools.partial(backward, _kernels)
+    once = once_differentiable(kern)
+    pad = () if n is None else (None,) * (total - n)
 
     def forward(ctx, *args):
         out = getattr(_kernels, name)(*args)
         setup(ctx, args, out)
-        return out
+        if n is None:
+            return out
+        return out[0] if n == 1 else out[:n]
 
-    bwd = once_differentiable(functools.partial(backward, _kernels))
+    def bwd(ctx, *grads):
+        if pad:
+            grads += pad
+        if _grad_enabled():  # create_graph=True: once-differentiable
+            return once(ctx, *grads)
+        return kern(ctx, *grads)
+
     return type(f"{name}_function", (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(bwd),
                  "__module__": __name__,

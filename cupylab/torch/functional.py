@@ -251,7 +251,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None):
     if _compiling():
         y = torch.ops.cupylab.rms_norm(x2, w2, eps)[0]
     elif _wants_grad(x, weight):
-        y = _F["rms_norm"].apply(x2, w2, eps)[0]
+        y = _F["rms_norm"].apply(x2, w2, eps)
     else:
         y = _kernels.rms_norm(x2, w2, eps, False)
     return y if x2 is x else y.view(x.shape)
@@ -287,7 +287,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     if _compiling():
         y = torch.ops.cupylab.layer_norm(x2, w2, b2, eps)[0]
     elif _wants_grad(x, weight, bias):
-        y = _F["layer_norm"].apply(x2, w2, b2, eps)[0]
+        y = _F["layer_norm"].apply(x2, w2, b2, eps)
     else:
         y = _kernels.layer_norm(x2, w2, b2, eps, False)
     return y if x2 is x else y.view(x.shape)
@@ -340,7 +340,7 @@ def add_rms_norm(x, residual, weight, eps=1e-6):
         y, h, _ = torch.ops.cupylab.add_rms_norm(x, residual, weight, eps)
         return y, h
     if _wants_grad(x, residual, weight):
-        y, h, _ = _F["add_rms_norm"].apply(x, residual, weight, eps)
+        y, h = _F["add_rms_norm"].apply(x, residual, weight, eps)
         return y, h
     return _kernels.add_rms_norm(x, residual, weight, eps, False)
 
@@ -469,7 +469,7 @@ def cross_entropy(input, target, ignore_index=-100, reduction="mean", label_smoo
                                                need, f32)[0]
     if input.requires_grad and _grad_enabled():
         return _F["cross_entropy"].apply(logits, target, ignore_index, reduction, ls, True,
-                                         f32)[0]
+                                         f32)
     return _kernels.cross_entropy_loss(logits, target, ignore_index, reduction, ls, f32)
 
 
