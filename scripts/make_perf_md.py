@@ -250,10 +250,8 @@ def _train(name):
     def table(data):
         d = data[name]
         a = d["args"]
-        extra = "".join(f" --{k.replace('_', '-')} {a[k]}" for k, dflt in
-                        (("batch", 16), ("d_model", 512), ("layers", 8), ("seq", 512))
-                        if a[k] != dflt)
-        head = (f"`python scripts/examples/train_tiny_llm.py --steps {a['steps']}{extra}` on "
+        head = (f"`python scripts/examples/train_tiny_llm.py --steps {a['steps']} --batch "
+                f"{a['batch']}` on "
                 f"{d['device']} (torch {d['torch']}): d_model {a['d_model']}, {a['layers']} "
                 f"layers, seq {a['seq']}, batch {a['batch']}, vocab {a['vocab']}, bf16 "
                 f"autocast; step time by CUDA events, median over the steps after the first "

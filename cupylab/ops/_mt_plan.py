@@ -25,7 +25,7 @@ import threading
 import weakref
 from collections import OrderedDict
 
-from .. import _compile, _launch, _runtime
+from .. import _compile, _dtypes, _launch, _runtime
 
 BLOCK = 256
 MIN_CHUNK = 2048
@@ -177,14 +177,11 @@ def pack_group(ptrs, sizes, itemsizes, chunk):
     nl = len(ptrs)
     sz = np.asarray(sizes, dtype=np.int64).reshape(n)
     tab = np.zeros((n, nl + 1), dtype=np.int64)
-    aligned = np.ones(n, dtype=bool)
-    for k, (pl, isz) in enumerate(zip(ptrs, itemsizes)):
-        if pl is None:
-            continue
-        pa = np.asarray(pl, dtype=np.uint64).reshape(n)
-        tab[:, k] = pa.view(np.int64)
-        aligned &= (pa % np.uint64(4 * isz)) == 0
-    tab[:, nl] = sz | (aligned.astype(np.int64) << 62)
+    for k, pl in enumerate(ptrs):
+        if pl is not None:
+            tab[:, k] = np.asarray(pl, dtype=np.uint64).reshape(n).view(np.int64)
+    tab[:, nl] = sz | _aligned_bits(np, tab, [None if pl is None else isz
+                                              for pl, isz in zip(ptrs, itemsizes)])
     counts = -(-sz // chunk)
     nb = int(counts.sum())
     bmap = np.empty((nb, 2), dtype=np.int32)
@@ -376,7 +373,15 @@ def _upload_plan(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stre
     return plan
 
 
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+def _aligned_bits(np, tab, itemsizes):
+    """The :data:`ALIGNED_BIT` of each row of a table: every present slot's address (column
+    ``k``, element size ``itemsizes[k]``, None for an absent slot) a multiple of four
+    elements (the kernels' 4-wide vector loads)."""
+    aligned = np.ones(tab.shape[0], dtype=bool)
+    for k, isz in enumerate(itemsizes):
+        if isz is not None:
+            aligned &= (tab[:, k].view(np.uint64) % np.uint64(4 * isz)) == 0
+    return aligned.astype(np.int64) * np.int64(ALIGNED_BIT)
 
 
 def patch(groups, blob, slot, ptrs):
@@ -391,11 +396,8 @@ def patch(groups, blob, slot, ptrs):
         tab = np.frombuffer(blob, dtype=np.int64, count=len(idx) * (nl + 1),
                             offset=toff).reshape(len(idx), nl + 1)
         tab[:, slot] = np.array([ptrs[i] for i in idx], dtype=np.uint64).view(np.int64)
-        aligned = np.ones(len(idx), dtype=bool)
-        for k, name in enumerate(sig):
-            if name is not None:
-                aligned &= (tab[:, k].view(np.uint64) % np.uint64(4 * _ITEMSIZE[name])) == 0
-        tab[:, nl] = (tab[:, nl] & (ALIGNED_BIT - 1)) | (aligned.astype(np.int64) << 62)
+        tab[:, nl] = (tab[:, nl] & (ALIGNED_BIT - 1)) | _aligned_bits(
+            np, tab, [None if name is None else _dtypes.DTYPES[name].itemsize for name in sig])
     return bytes(blob)
 
 

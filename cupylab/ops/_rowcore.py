@@ -366,17 +366,27 @@ def finish(c, obj):
     return finish_output(c.kind, obj, c.stream, c.device)
 
 
-def pack(ptrs, lay, rows_override=None, ignore_index=0, flags=0, eps=0.0, smooth=0.0):
-    """The RowArgs values: ``ptrs`` maps out0 out1 in0 in1 w b st0 st1 part0 part1 target
-    loss scale to addresses (missing: 0)."""
-    order = ("out0", "out1", "in0", "in1", "w", "b", "st0", "st1", "part0", "part1", "target",
+#: the address fields of RowArgs, first in the struct, in order
+PTR_ORDER = ("out0", "out1", "in0", "in1", "w", "b", "st0", "st1", "part0", "part1", "target",
              "loss", "scale")
-    vals = [int(ptrs.get(k, 0) or 0) for k in order]
+
+
+def pack(ptrs, lay, rows_override=None, ignore_index=0, flags=0, eps=0.0, smooth=0.0):
+    """The RowArgs values: ``ptrs`` maps the names of :data:`PTR_ORDER` to addresses
+    (missing: 0), then the layout's fields (:func:`pack_tail`), then ``eps`` and ``smooth``."""
+    vals = [int(ptrs.get(k, 0) or 0) for k in PTR_ORDER]
     rows = lay.rows if rows_override is None else rows_override
     vals += [rows, lay.cols, max(1, lay.n1), int(ignore_index), int(flags)]
     vals += list(lay.so) + list(lay.si) + list(lay.cs)
     vals += [float(eps), float(smooth)]
     return tuple(vals)
+
+
+def pack_tail(lay, flags=0):
+    """The RowArgs values between the addresses and ``eps``/``smooth`` (rows, cols, n1,
+    ignore_index 0, ``flags``, the strides): fixed for a layout, so the lean path
+    (:mod:`cupylab.ops._rowfast`) packs them once per plan."""
+    return pack({}, lay, flags=flags)[len(PTR_ORDER):-2]
 
 
 #: bytes of struct RowArgs (32 fields of 8 bytes; pinned by a CPU test)

@@ -18,6 +18,7 @@ bit; a CPU test drives this module with a fake framework).
 from __future__ import annotations
 
 import functools
+import math
 import sys
 
 from .. import _arrays, _launch, _runtime
@@ -164,7 +165,7 @@ def _plan(key, opname, objs, weight, flags, dev):
     lay = rc.make_layout(opname, x.shape, views, -1)
     p = Plan()
     p.k, p.grid, p.block, p.smem, p.nparts = rc.plan_rows(op, dt, lay, dev)
-    p.tail = rc.pack({}, lay, flags=flags)[13:-2]
+    p.tail = rc.pack_tail(lay, flags)
     p.ks = None
     if weight is not None and op in rc.BWD_W:
         p.ks = rc.col_sum_kernel(dt, _arrays.as_view(weight, opname).dtype)
@@ -307,10 +308,7 @@ def _stats(fw, s, a, rows, dev):
     ps = fw[0](s)
     if ps is None or ps[0] != a or ps[3] != dev:
         return None
-    n = 1
-    for e in ps[1]:
-        n *= e
-    return ps[2] if n == rows else None
+    return ps[2] if math.prod(ps[1]) == rows else None
 
 
 def norm_backward(opname, dy, x, weight, mean, rstd):
@@ -323,9 +321,7 @@ def norm_backward(opname, dy, x, weight, mean, rstd):
         new = fw[1]
         a = fw[3][fdt]
         cols = shape[-1]
-        rows = 1
-        for e in shape[:-1]:
-            rows *= e
+        rows = math.prod(shape[:-1])
         ps = _stats(fw, rstd, a, rows, dev)
         pm = 0
         if opname == "layer_norm_backward":
