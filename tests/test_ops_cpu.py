@@ -320,6 +320,34 @@ def test_large_vector_launches_get_the_residency_cap_on_both_paths(monkeypatch):
     assert seen_capped == {True, False}
 
 
+def test_residency_cap_only_for_one_item_size(monkeypatch):
+    """Vectorised instances whose output and operands share one item size take the residency
+    cap; mixed item sizes (narrower loads, measured faster with 8 blocks per SM) and integer
+    floor division keep 8, scalar-operand instances included."""
+    from cupylab import _launch
+    from cupylab.ops import elementwise as ew
+
+    monkeypatch.setitem(_launch._stream_smem, 0, 32329)
+    D = DTYPES
+    f16, bf, f32, f64 = D["float16"], D["bfloat16"], D["float32"], D["float64"]
+    i32, i64, u8 = D["int32"], D["int64"], D["uint8"]
+    add, fdiv, fam = ew.OPS["add"], ew.OPS["floor_divide"], ew.OPS["fused_add_mul"]
+    grid = _launch.STREAM_MIN_GRID
+    for op, types, capped in (
+            (add, (f32,) * 5, True), (add, (bf,) * 5, True),
+            (add, (f32, i32, f32, f32, f32), True),     # torch's int32 + float32: all 4 bytes
+            (add, (f64, i32, f32, f64, f64), False),    # NumPy's: a float64 result
+            (add, (f32, f32, f16, f32, f32), False), (add, (f32, u8, f32, f32, f32), False),
+            (add, (i64, i64, i32, i64, i64), False), (add, (f64, i32, f64, f64, f64), False),
+            (fam, (bf, bf, bf, f32, f32), False), (fam, (f32, f32, f32, f32, f32), True),
+            (fdiv, (i32,) * 5, False), (fdiv, (f32,) * 5, True)):
+        v = 16 // max(t.itemsize for t in types)
+        k = ew.kernel("contig", op, types, (v, True))
+        want = 32329 if capped else 0
+        assert ew.streaming_smem_for(k, grid, 0) == want, (op, types)
+        assert ew.streaming_smem_for(k, grid - 1, 0) == 0
+
+
 def test_streaming_smem_only_where_the_occupancy_calculator_confirms_six_blocks(monkeypatch):
     """_launch.streaming_smem: one seventh of the SM's shared memory less the per-block
     reservation on compute capability 9.x with 2,048 threads per SM, when the occupancy API

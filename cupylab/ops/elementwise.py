@@ -83,6 +83,21 @@ def name_expression(variant, op, types, extra=()):
     return f"cl::ew_{variant}<{', '.join(targs)}>"
 
 
+def _caps_residency(op, types):
+    """Whether a vectorised ``ew_contig`` instance takes the residency cap (6 blocks per SM
+    instead of 8 for large launches; :func:`streaming_smem_for`): when the output and every
+    operand it reads have one item size, so that every access is a whole 16-byte vector.
+    Left out, keeping 8 blocks (docs/perf.md, "Resident blocks"):
+
+    * mixed item sizes (``int32 + float32`` into float64, ``uint8 + float32``): the narrower
+      operands' loads are 4 or 8 bytes, and with fewer warps in flight they hide less of the
+      memory latency (``int32 + float32`` at 2^26: 90.9 % of the ceiling capped, 97.7 % not);
+    * integer floor division, which is compute-bound: under the cap it lost 2-5 %."""
+    if op == _FLOORDIV and types[4].kind in "iu":
+        return False
+    return len({t.itemsize for t in types[:1 + reads(op)]}) == 1
+
+
 def kernel(variant, op, types, extra=()):
     """The :class:`cupylab._launch.Kernel` of one instance (compiled on its first launch)."""
     key = (variant, op, types, extra)
@@ -90,10 +105,7 @@ def kernel(variant, op, types, extra=()):
     if k is None:
         bk = source_module()[name_expression(variant, op, types, extra)]
         k = _kernels.setdefault(key, bk._k)
-        ct = types[4]
-        if variant == "contig" and extra[0] > 1 and not (op == _FLOORDIV and ct.kind in "iu"):
-            # integer floor division is compute-bound: with fewer resident warps it hides
-            # less latency and lost 2-5 % (docs/perf.md, "Resident blocks"), so it keeps 8
+        if variant == "contig" and extra[0] > 1 and _caps_residency(op, types):
             _streaming.add(k)
     return k
 
