@@ -189,8 +189,8 @@ def test_leading_shapes_and_torch_stream():
 
 
 # ---- backward ----------------------------------------------------------------------------
-# (4500, 1000): more 16-bit rows than the persistent grid's warps (1,056 blocks of four rows on
-# an H200), so some walk two rows and others one
+# (4500, 1000): more rows than the norms' persistent backward grid holds at once (1,056 blocks
+# on an H200), so its blocks walk several rows, not all the same number
 BWD_SHAPES = [(0, 8), (1, 1), (199, 3), (199, 33), (199, 1000), (4500, 1000), (30, 4097),
               (3, 20000), (2, 70001)]
 
