@@ -228,7 +228,8 @@ def all_programs():
 def streaming_smem_for(k, grid, device):
     """Dynamic shared memory for launching ``k`` over ``grid`` blocks: the residency cap of
     :func:`cupylab._launch.streaming_smem` for a large launch of a vectorised ``ew_contig``
-    kernel (except integer floor division), else 0. Every launch path calls this: the general
+    kernel that takes it (one item size throughout, not integer floor division:
+    :func:`_caps_residency`), else 0. Every launch path calls this: the general
     path, :func:`prepare`, and the lean path (``_fast._launch``, for grids of at least
     ``STREAM_MIN_GRID`` blocks)."""
     if type(grid) is int and grid >= _launch.STREAM_MIN_GRID and k in _streaming:
