@@ -221,3 +221,32 @@ def test_wheel_ships_and_finds_cuda_sources(tmp_path):
                          check=True, cwd=tmp_path, env=env).stdout.split("\n")
     assert out[0].startswith(str(site))
     assert out[1] == str(site / "cupylab" / "cuda_src")
+
+
+def test_ptxas_report_counts_registers_and_spills():
+    """scripts/ptxas_report.py (cited by docs/perf.md): registers and spill bytes per instance,
+    read from NVRTC's ptxas log; a kernel capped at 32 registers that needs more spills."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "ptxas_report.py"
+    spec = importlib.util.spec_from_file_location("ptxas_report", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = r"""
+    template <int N> __global__ void __launch_bounds__(1024, 2) hold(float* p) {
+        float r[N];
+    #pragma unroll
+        for (int i = 0; i < N; ++i) r[i] = p[threadIdx.x + i * 1024];
+        float s = 0.f;
+    #pragma unroll
+        for (int i = 0; i < N; ++i) s += r[i] * r[(i * 7) % N];
+    #pragma unroll
+        for (int i = 0; i < N; ++i) p[threadIdx.x + i * 1024] = r[i] + s;
+    }
+    """
+    prog = _compile.Program(src, "hold.cu", ["hold<2>", "hold<96>"])
+    rows = {n: (regs, st, ld) for n, regs, st, ld in mod.report(prog, "sm_90")}
+    assert set(rows) == {"hold<2>", "hold<96>"}
+    assert 0 < rows["hold<2>"][0] <= 32 and rows["hold<2>"][1:] == (0, 0)
+    assert rows["hold<96>"][0] <= 32 and rows["hold<96>"][1] > 0 and rows["hold<96>"][2] > 0
+    assert [r[0] for r in mod.report(prog, "sm_90", match=r"<2>")] == ["hold<2>"]
