@@ -56,7 +56,13 @@ def report(program, arch, match=None):
             nvrtc.addNameExpression(prog, n)
         opts = (list(program.options) + list(program._include_options())
                 + [f"-arch={arch}", "--ptxas-options=-v"])
-        nvrtc.compileProgram(prog, opts)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:  # the log names the file and line, as a launch would
+            log = nvrtc.getProgramLog(prog)
+            raise _compile.CompileError(
+                f"NVRTC failed to compile {program.filename} ({e}):\n{log.strip()}",
+                log=log, filename=program.filename) from None
         log = nvrtc.getProgramLog(prog)
         lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
     finally:

@@ -250,3 +250,6 @@ def test_ptxas_report_counts_registers_and_spills():
     assert 0 < rows["hold<2>"][0] <= 32 and rows["hold<2>"][1:] == (0, 0)
     assert rows["hold<96>"][0] <= 32 and rows["hold<96>"][1] > 0 and rows["hold<96>"][2] > 0
     assert [r[0] for r in mod.report(prog, "sm_90", match=r"<2>")] == ["hold<2>"]
+    broken = _compile.Program(src.replace("s += ", "s += undeclared + "), "hold.cu", ["hold<2>"])
+    with pytest.raises(CompileError, match=r"hold\.cu\(\d+\).*undeclared"):
+        mod.report(broken, "sm_90")
