@@ -94,12 +94,14 @@ def _acc_table(conv):
 
 
 def _framework(tp):
-    """Classify an array type (first use): the torch or CuPy tuple, or None."""
+    """Classify an array type (first use, by the adapters' own rule: :mod:`cupylab._arrays`):
+    the torch or CuPy tuple for the plain ``torch.Tensor`` / ``cupy.ndarray`` (not a subclass),
+    or None."""
     global _torch_empty_like, _torch_empty, _cupy_ndarray, _get_device
     fw = None
-    top = (tp.__module__ or "").split(".", 1)[0]
-    torch = sys.modules.get("torch") if top == "torch" else None
-    cp = sys.modules.get("cupy") if top == "cupy" else None
+    adapter = _arrays._ADAPTERS.get(tp) or _arrays._classify(tp)
+    torch = sys.modules["torch"] if adapter is _arrays._from_torch else None
+    cp = sys.modules["cupy"] if adapter is _arrays._from_cupy else None
     if torch is not None and tp is torch.Tensor:
         _torch_empty_like, _torch_empty = torch.empty_like, torch.empty
         fw = (_probe_torch, _new_torch, functools.partial(_launch.current_stream, "torch"),

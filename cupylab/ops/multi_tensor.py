@@ -662,8 +662,9 @@ def prepare(fn, *args, stream=None, **kwargs):
     fixed = None
     if stream is not None:
         fixed = _launch.resolve_stream(stream)
-    for _, device, _, _, _, kind in rec.launches[:1]:
+    if rec.launches:
         # the call's tables were uploaded on its stream; the replays may run on another
+        _, device, _, _, _, kind = rec.launches[0]
         with _launch.ensure_device(device):
             s = fixed if fixed is not None else _launch.current_stream(kind, device)
             _runtime.cupy().cuda.runtime.streamSynchronize(s)

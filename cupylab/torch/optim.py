@@ -154,14 +154,11 @@ class _Fused:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        return (loss, *self._cl_amp(found_inf, grad_scale))
-
-    def _cl_amp(self, found_inf, grad_scale):
-        if found_inf is None:
+        if found_inf is None:  # torch.amp.GradScaler sets these attributes
             found_inf = getattr(self, "found_inf", None)
         if grad_scale is None:
             grad_scale = getattr(self, "grad_scale", None)
-        return found_inf, grad_scale
+        return loss, found_inf, grad_scale
 
     def _cl_lr(self, group):
         lr = group["lr"]
