@@ -1,7 +1,8 @@
 // cupylab row reductions in levels: warp shuffle -> block (shared memory) -> thread-block
 // cluster (distributed shared memory, sm_90+). A row is owned by a group of TPR threads
-// (TPR <= 32: part of one warp; TPR > 32: the whole block) and, for cluster kernels, by the C
-// blocks of one cluster. group_reduce skips the levels a row does not need.
+// (TPR <= 32: part of one warp; TPR > 32: whole warps, THREADS / TPR groups a block) and, for
+// cluster kernels (one group a block), by the C blocks of one cluster. group_reduce skips the
+// levels a row does not need.
 //
 // Every thread of the group gets the same result, computed in the same order (deterministic).
 // Cluster primitives are inline PTX so that NVRTC needs no CUDA headers.
@@ -132,19 +133,22 @@ __device__ __forceinline__ R dsmem_load(const R* p, unsigned rank) {
 // the call sites of one kernel apart (each has its own shared memory). Must be called by
 // every thread of the block (all lanes take part in the shuffles). Ends with the barriers
 // that make its shared memory reusable by the next call of the same site.
-template <int TPR, int C, int SLOT, typename R, typename Op>
+template <int TPR, int C, int SLOT, int THREADS = TPR, typename R, typename Op>
 __device__ __forceinline__ R group_reduce(R v, Op op) {
+    static_assert(TPR <= 32 || THREADS % TPR == 0, "a block holds whole groups");
+    static_assert(C == 1 || TPR == THREADS, "a cluster reduces one row a block");
     constexpr int W = TPR < 32 ? TPR : 32;
 #pragma unroll
     for (int o = W / 2; o > 0; o >>= 1) v = op(v, shfl_xor(v, o));
     if constexpr (TPR > 32) {
-        constexpr int NW = TPR / 32;
-        __shared__ R part[NW];
+        constexpr int NW = TPR / 32;  // warps of one group; the block's groups side by side
+        __shared__ R part[THREADS / 32];
         if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
         __syncthreads();
-        v = part[0];
+        const R* mine = part + (threadIdx.x / TPR) * NW;
+        v = mine[0];
 #pragma unroll
-        for (int i = 1; i < NW; ++i) v = op(v, part[i]);
+        for (int i = 1; i < NW; ++i) v = op(v, mine[i]);
         __syncthreads();
     }
     if constexpr (C > 1) {

@@ -4,7 +4,7 @@
 //
 // Register kernels (row_kernel, row_cluster_kernel): the row is read from global memory once
 // into registers as 16-byte vectors (NV per thread) and written once. A row belongs to TPR
-// threads (TPR <= 32: several rows per block; TPR == THREADS: one row per block) and, in the
+// threads (several rows per block when TPR < THREADS, one when TPR == THREADS) and, in the
 // cluster kernels (sm_90), to the C blocks of a thread-block cluster, whose partial results
 // meet in distributed shared memory. Rows may start anywhere: a vector "slot" s covers the
 // 16-byte word s of the row's aligned base (row start - head elements); partial words at the
@@ -313,7 +313,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             // cheaper than combining (max, sum) pairs (no exp per combine). An all -inf row
             // sums exp(-inf - 0) = 0 and gives NaN below (like torch); NaN or +inf in a row
             // make the sum NaN.
-            m = group_reduce<TPR, C, 0>(m, MaxOp());
+            m = group_reduce<TPR, C, 0, THREADS>(m, MaxOp());
             const A mz = (m == neg_inf<A>()) ? A(0) : m;
             A s = A(0);
 #pragma unroll
@@ -325,7 +325,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
             MaxSum<A> ms;
             ms.m = m;
-            ms.s = group_reduce<TPR, C, 1>(s, SumOp());
+            ms.s = group_reduce<TPR, C, 1, THREADS>(s, SumOp());
             if constexpr (TPR <= 32 && OP == OP_CE) __syncwarp();
             if constexpr (OP == OP_SOFTMAX) {
                 const A inv = A(1) / ms.s;
@@ -359,7 +359,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                         for (int k = 0; k < V; ++k)
                             if (CL_VALID(j, k)) sx += f[k];
                     }
-                    sx = group_reduce<TPR, C, 2>(sx, SumOp());
+                    sx = group_reduce<TPR, C, 2, THREADS>(sx, SumOp());
                 }
                 const A lse = ms.m + log_acc(ms.s);
                 if (stat_thread) {
@@ -420,7 +420,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
                     for (int k = 0; k < V; ++k) s1 += f[k];  // invalid elements hold 0
                 }
-                mean = group_reduce<TPR, C, 0>(s1, SumOp()) / (A)cols;
+                mean = group_reduce<TPR, C, 0, THREADS>(s1, SumOp()) / (A)cols;
             }
             A s2 = A(0);
 #pragma unroll
@@ -442,7 +442,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     }
                 }
             }
-            s2 = group_reduce<TPR, C, 1>(s2, SumOp());
+            s2 = group_reduce<TPR, C, 1, THREADS>(s2, SumOp());
             const A rstd = rsqrt_acc(s2 * n_inv + (A)p.eps);
             if (stat_thread) {
                 if (p.st0) reinterpret_cast<A*>(p.st0)[row] = mean;
@@ -473,7 +473,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
                 for (int k = 0; k < V; ++k) d += (OP == OP_SOFTMAX_BWD ? f[k] : A(1)) * g[k];
             }
-            d = group_reduce<TPR, C, 0>(d, SumOp());
+            d = group_reduce<TPR, C, 0, THREADS>(d, SumOp());
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 A f[V], g[V];
@@ -507,7 +507,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if constexpr (OP == OP_LN_BWD) dba[j * V + k] += g[k];
                 }
             }
-            acc = group_reduce<TPR, C, 0>(acc, SumOp());
+            acc = group_reduce<TPR, C, 0, THREADS>(acc, SumOp());
             const A c1 = OP == OP_LN_BWD ? acc.a * n_inv : A(0), c2 = acc.b * n_inv;
 #pragma unroll
             for (int j = 0; j < NV; ++j) {

@@ -29,11 +29,12 @@ def test_args_struct_size():
 @pytest.mark.parametrize("cols,head,cc,expect", [
     (1, 0, 90, (128, 4, 1, 1)), (32, 0, 90, (128, 4, 1, 1)), (33, 0, 90, (128, 32, 1, 1)),
     (1000, 0, 90, (128, 32, 4, 1)), (1024, 0, 90, (128, 32, 4, 1)),
-    (1025, 0, 90, (128, 128, 4, 1)), (8192, 0, 90, (256, 256, 4, 1)),
+    (1025, 0, 90, (128, 64, 4, 1)), (2048, 0, 90, (128, 64, 4, 1)),
+    (2049, 0, 90, (128, 128, 4, 1)), (8192, 0, 90, (256, 256, 4, 1)),
     (32768, 0, 90, (1024, 1024, 4, 1)), (65536, 0, 90, (1024, 1024, 4, 2)),
     (131072, 0, 90, (1024, 1024, 4, 4)), (262144, 0, 90, (1024, 1024, 4, 8)),
     (262144, 1, 90, None), (262144, None, 90, None), (65536, 0, 80, None),
-    (1024, None, 90, (128, 128, 4, 1)),  # rows with varying heads need room for V - 1 more
+    (1024, None, 90, (128, 64, 4, 1)),  # rows with varying heads need room for V - 1 more
 ])
 def test_choose_forward_bf16(cols, head, cc, expect):
     assert rc.choose(0, BF16, cols, True, head, cc) == expect
@@ -48,7 +49,12 @@ def test_choose_generic_cases():
     assert rc.choose(10, BF16, 16384, True, 0, 90) == (1024, 1024, 2, 1)
     assert rc.choose(10, BF16, 16385, True, 0, 90) is None
     assert rc.choose(12, BF16, 1000, True, None, 90) is None
-    assert rc.choose(12, BF16, 1000, True, 3, 90) == (128, 128, 2, 1)
+    # two rows of 64 threads a block: a 16-bit row of 1,024 fills its slots (128 x 2 half-fills)
+    assert rc.choose(12, BF16, 1000, True, 3, 90) == (128, 64, 2, 1)
+    assert rc.choose(12, BF16, 1024, True, 0, 90) == (128, 64, 2, 1)
+    assert rc.choose(12, BF16, 1025, True, 0, 90) == (128, 128, 2, 1)
+    assert rc.choose(0, F32, 1024, True, 0, 90) == (128, 64, 4, 1)
+    assert rc.choose(0, F32, 1025, True, 0, 90) == (128, 128, 4, 1)
 
 
 def test_grid_for():
@@ -58,6 +64,8 @@ def test_grid_for():
     g, parts = rc.grid_for(13, (128, 32, 2, 1), 100000, 132)
     assert g == 132 * 8 and parts == g * 4
     assert rc.grid_for(13, None, 3, 132) == (3, 3)
+    g, parts = rc.grid_for(12, (128, 64, 2, 1), 32768, 132)
+    assert g == 132 * 8 and parts == g * 2  # a partial row for each of a block's two groups
 
 
 def test_pipe_plan(monkeypatch):
@@ -111,7 +119,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 602
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 662
 
 
 def test_errors_need_no_gpu():
@@ -177,7 +185,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 602
+    assert n == 662
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():

@@ -18,7 +18,7 @@ TOL = {"float16": (4e-3, 4e-3), "bfloat16": (2e-2, 2e-2), "float32": (2e-5, 2e-5
 
 # (rows, cols): every class of the ladder, the generic fallback, empty
 SHAPES = [(0, 33), (1, 1), (199, 1), (199, 3), (199, 31), (199, 32), (199, 33), (199, 127),
-          (199, 1000), (60, 4097), (5, 65537), (2, 262144)]
+          (199, 1000), (99, 2000), (60, 4097), (5, 65537), (2, 262144)]
 SHAPES_BIG = [(1, 300000)]  # beyond every register class: the generic kernel
 
 
@@ -190,9 +190,10 @@ def test_leading_shapes_and_torch_stream():
 
 # ---- backward ----------------------------------------------------------------------------
 # (4500, 1000): more rows than the norms' persistent backward grid holds at once (1,056 blocks
-# on an H200), so its blocks walk several rows, not all the same number
-BWD_SHAPES = [(0, 8), (1, 1), (199, 3), (199, 33), (199, 1000), (4500, 1000), (30, 4097),
-              (3, 20000), (2, 70001)]
+# on an H200), so its blocks walk several rows, not all the same number; (77, 500) and (4500,
+# 1000): two rows a block (threads per row 64) for float32 and 16-bit rows respectively
+BWD_SHAPES = [(0, 8), (1, 1), (199, 3), (199, 33), (77, 500), (199, 1000), (4500, 1000),
+              (30, 4097), (3, 20000), (2, 70001)]
 
 
 @pytest.mark.parametrize("dt", FLOATS)

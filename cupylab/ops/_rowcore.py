@@ -32,13 +32,15 @@ OP = {"softmax": 0, "log_softmax": 1, "rms_norm": 2, "layer_norm": 3, "add_rms_n
 #: ops whose register kernel also accumulates weight/bias gradients (persistent grid)
 BWD_W = (12, 13)
 
-#: (threads, threads per row, 16-byte vectors per thread, cluster size), smallest first
-FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 128, 4, 1),
-              (256, 256, 4, 1), (512, 512, 4, 1), (1024, 1024, 4, 1), (1024, 1024, 4, 2),
-              (1024, 1024, 4, 4), (1024, 1024, 4, 8))
+#: (threads, threads per row, 16-byte vectors per thread, cluster size), smallest first. The
+#: 64-threads-a-row classes (two rows a block) keep rows between the 32- and 128-thread classes
+#: from half-filling a 128-thread row: every thread computes all of its vectors, empty or not.
+FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
+              (128, 128, 4, 1), (256, 256, 4, 1), (512, 512, 4, 1), (1024, 1024, 4, 1),
+              (1024, 1024, 4, 2), (1024, 1024, 4, 4), (1024, 1024, 4, 8))
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
-BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 128, 2, 1),
-              (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
+BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
+              (128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
 GENERIC_THREADS = 512  # GT in rowwise.cu
 COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_W columns each
 #: single-input forward ops that use the persistent cp.async pipeline (row_pipe_kernel) for
