@@ -173,12 +173,32 @@ class Program:
         CompileError
             With the NVRTC log, which names the file and line of each error.
         """
+        def take(nvrtc, prog):
+            mapping = {n: nvrtc.getLoweredName(prog, n) for n in self.name_expressions}
+            binary = nvrtc.getCUBIN(prog) if kind == "cubin" else nvrtc.getPTX(prog)
+            if isinstance(binary, str):
+                binary = binary.encode()
+            binary = bytes(binary)
+            return (complete_elf(binary) if kind == "cubin" else binary), mapping
+
+        return self.run_nvrtc([arch_option], take)
+
+    def run_nvrtc(self, extra_options, take):
+        """Compile with NVRTC (the program's options and include directories, then
+        ``extra_options``) and return ``take(nvrtc, prog)``, called on the compiled program
+        before it is destroyed (``scripts/ptxas_report.py`` reads the log this way).
+
+        Raises
+        ------
+        CompileError
+            With the NVRTC log, which names the file and line of each error.
+        """
         nvrtc = _nvrtc()
         prog = nvrtc.createProgram(self.source, self.filename, (), ())
         try:
             for n in self.name_expressions:
                 nvrtc.addNameExpression(prog, n)
-            opts = list(self.options) + list(self._include_options()) + [arch_option]
+            opts = list(self.options) + list(self._include_options()) + list(extra_options)
             try:
                 nvrtc.compileProgram(prog, opts)
             except nvrtc.NVRTCError as e:
@@ -186,12 +206,7 @@ class Program:
                 raise CompileError(
                     f"NVRTC failed to compile {self.filename} ({e}):\n{log.strip()}",
                     log=log, filename=self.filename) from None
-            mapping = {n: nvrtc.getLoweredName(prog, n) for n in self.name_expressions}
-            binary = nvrtc.getCUBIN(prog) if kind == "cubin" else nvrtc.getPTX(prog)
-            if isinstance(binary, str):
-                binary = binary.encode()
-            binary = bytes(binary)
-            return (complete_elf(binary) if kind == "cubin" else binary), mapping
+            return take(nvrtc, prog)
         finally:
             nvrtc.destroyProgram(prog)
 

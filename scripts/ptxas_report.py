@@ -49,24 +49,12 @@ def report(program, arch, match=None):
     names = [n for n in program.name_expressions if match is None or re.search(match, n)]
     if not names:
         return []
-    nvrtc = _compile._nvrtc()
-    prog = nvrtc.createProgram(program.source, program.filename, (), ())
-    try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        opts = (list(program.options) + list(program._include_options())
-                + [f"-arch={arch}", "--ptxas-options=-v"])
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:  # the log names the file and line, as a launch would
-            log = nvrtc.getProgramLog(prog)
-            raise _compile.CompileError(
-                f"NVRTC failed to compile {program.filename} ({e}):\n{log.strip()}",
-                log=log, filename=program.filename) from None
-        log = nvrtc.getProgramLog(prog)
-        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
-    finally:
-        nvrtc.destroyProgram(prog)
+    subset = _compile.Program(program.source, program.filename, names, program.options,
+                              program.include_dirs)
+    log, lowered = subset.run_nvrtc(
+        [f"-arch={arch}", "--ptxas-options=-v"],
+        lambda nvrtc, prog: (nvrtc.getProgramLog(prog),
+                             {nvrtc.getLoweredName(prog, n): n for n in names}))
     rows, current, spill = {}, None, (0, 0)
     for line in log.splitlines():
         if "Compiling entry function" in line:
