@@ -183,14 +183,14 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Start copying this thread's slots of `row` (operand in0) into `stage` (NV x THREADS
-// vectors, slot j of thread t at j * THREADS + t). Slots that are not whole 16-byte words
-// of the row are filled element by element (zeros outside the row).
-template <typename T, int V, int NV, int TPR, int THREADS>
+// Start copying this thread's slots of `row` (operand in0, or in1 when IN == 1) into `stage`
+// (NV x THREADS vectors, slot j of thread t at j * THREADS + t). Slots that are not whole
+// 16-byte words of the row are filled element by element (`fill` outside the row).
+template <typename T, int V, int NV, int TPR, int THREADS, int IN = 0>
 __device__ __forceinline__ void issue_row(Vec<T, V>* stage, const RowArgs& p, i64 row, int sbase,
                                           int cols, T fill) {
     if (row >= p.rows) return;
-    const T* x = row_ptr<const T>(p.in0, p, 0, row);
+    const T* x = row_ptr<const T>(IN ? p.in1 : p.in0, p, IN, row);
     const int head = (int)(((u64)x & 15) / sizeof(T));
     const T* xal = x - head;
 #pragma unroll
@@ -232,15 +232,21 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
     for (int i = 0; i < NB; ++i) dba[i] = A(0);
     const i64 nunits = C > 1 ? gridDim.x / C : gridDim.x;
     const i64 first = C > 1 ? blockIdx.x / C : blockIdx.x;
-    // PIPE: PIPE_STAGES * NV * THREADS 16-byte words of dynamic shared memory
+    // PIPE: PIPE_STAGES * NIN * NV * THREADS 16-byte words of dynamic shared memory, a stage
+    // holding the row of each input (the backwards: y or x, then dy)
+    constexpr int NIN = TWO_IN ? 2 : 1;
+    constexpr int STAGE = NIN * NV * THREADS;
     extern __shared__ __align__(16) unsigned char pipe_buf[];
     Vec<T, V>* stages = reinterpret_cast<Vec<T, V>*>(pipe_buf);
     if constexpr (PIPE) {
 #pragma unroll
         for (int q = 0; q < PIPE_STAGES - 1; ++q) {
-            issue_row<T, V, NV, TPR, THREADS>(stages + q * NV * THREADS, p,
-                                              (first + q * nunits) * RPB + group, sbase, cols,
+            const i64 r = (first + q * nunits) * RPB + group;
+            issue_row<T, V, NV, TPR, THREADS>(stages + q * STAGE, p, r, sbase, cols,
                                               fill_value<T, OP>());
+            if constexpr (TWO_IN)
+                issue_row<T, V, NV, TPR, THREADS, 1>(stages + q * STAGE + NV * THREADS, p, r,
+                                                     sbase, cols, T());
             cp_async_commit();
         }
     }
@@ -255,15 +261,27 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         Vec<T, V> a[NV];
         Vec<T, V> b[TWO_IN ? NV : 1];
         if constexpr (PIPE) {
-            issue_row<T, V, NV, TPR, THREADS>(
-                stages + ((it + PIPE_STAGES - 1) % PIPE_STAGES) * NV * THREADS, p,
-                (unit + (PIPE_STAGES - 1) * nunits) * RPB + group, sbase, cols,
-                fill_value<T, OP>());
+            Vec<T, V>* nxt = stages + ((it + PIPE_STAGES - 1) % PIPE_STAGES) * STAGE;
+            const i64 r = (unit + (PIPE_STAGES - 1) * nunits) * RPB + group;
+            issue_row<T, V, NV, TPR, THREADS>(nxt, p, r, sbase, cols, fill_value<T, OP>());
+            if constexpr (TWO_IN)
+                issue_row<T, V, NV, TPR, THREADS, 1>(nxt + NV * THREADS, p, r, sbase, cols, T());
             cp_async_commit();
             cp_async_wait<PIPE_STAGES - 1>();
-            const Vec<T, V>* cur = stages + (it % PIPE_STAGES) * NV * THREADS;
+            const Vec<T, V>* cur = stages + (it % PIPE_STAGES) * STAGE;
 #pragma unroll
-            for (int j = 0; j < NV; ++j) a[j] = cur[j * THREADS + threadIdx.x];
+            for (int j = 0; j < NV; ++j) {
+                a[j] = cur[j * THREADS + threadIdx.x];
+                if constexpr (TWO_IN) b[j] = cur[(NV + j) * THREADS + threadIdx.x];
+                if constexpr (BWD_W) {
+                    // a row past the end was never staged: its slots hold an earlier row, which
+                    // the weight- and bias-gradient sums must not see (zeros, as load_slot gives)
+                    if (!active) {
+#pragma unroll
+                        for (int k = 0; k < V; ++k) a[j].v[k] = b[j].v[k] = T();
+                    }
+                }
+            }
         } else {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
@@ -271,7 +289,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 load_slot<T, V>(a[j], xal, s, s * V - head, cols, active, fill_value<T, OP>());
             }
         }
-        if constexpr (TWO_IN) {
+        if constexpr (TWO_IN && !PIPE) {
             const T* bal = row_ptr<const T>(p.in1, p, 1, rr) - head;
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
@@ -560,8 +578,8 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_kernel(const RowA
     row_reg<T, OP, THREADS, TPR, NV, 1>(p);
 }
 
-// Persistent variant for single-input forward ops (blocks loop over rows): the next
-// PIPE_STAGES - 1 rows are copied into shared memory while the current one is processed.
+// Persistent variant (blocks loop over rows): the next PIPE_STAGES - 1 rows of each input are
+// copied into shared memory while the current one is processed.
 template <typename T, int OP, int THREADS, int TPR, int NV>
 __global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_pipe_kernel(const RowArgs p) {
     row_reg<T, OP, THREADS, TPR, NV, 1, true>(p);

@@ -8,8 +8,8 @@ Every table in docs/perf.md sits between two marker comments::
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
 (``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
-``mixed.json``, ``rowwise_*.json``, the before/after pair ``groups_before.json`` and
-``groups_after.json``), the Dask example's ``dask.json``, the training example's
+``mixed.json``, ``rowwise_*.json``, the before/after pairs ``groups_before.json`` /
+``groups_after.json`` and ``bwd16_before.json`` / ``bwd16_after.json``), the Dask example's ``dask.json``, the training example's
 ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``, the multi-tensor bench's
 ``multi_tensor.json`` and the command file, and leaves every other line (the prose) alone. The per-case tables are formatted
 by :mod:`cupylab.bench._report`, the same code that prints them on the command line.
@@ -58,6 +58,8 @@ FILES = {  # stored file -> what it holds
     "rowwise_ce.json": "cross-entropy with its gradient, 128k vocabulary",
     "groups_after.json": "row-wise ops at the row lengths the two-rows-a-block classes serve",
     "groups_before.json": "the same cases in the same session, before those classes (1913d9a)",
+    "bwd16_after.json": "row-wise backwards with the 16-bit pipeline and one-vector classes",
+    "bwd16_before.json": "the same cases in the same session, before them (719585f)",
 }
 
 
@@ -198,21 +200,23 @@ t_mixed = _results("mixed.json")
 ROWWISE = tuple(f[len("rowwise_"):-len(".json")] for f in FILES if f.startswith("rowwise_"))
 
 
-def t_groups_ab(data):
-    """Before/after the two-rows-a-block classes: the same cases, same GPU, same session."""
-    after = {(r["op"], r["dtype"], tuple(r["shape"])): r for r in _ok(data["groups_after.json"])}
-    rows = []
-    for b in _ok(data["groups_before.json"]):
-        a = after.get((b["op"], b["dtype"], tuple(b["shape"])))
-        if a is None:
-            continue
-        t = ((a.get("peers") or {}).get(PEER) or {}).get("us")
-        rows.append([b["op"], b["dtype"], _report.shape_str(b["shape"]), f"{b['us']:.1f}",
-                     f"{a['us']:.1f}", f"{b['us'] / a['us']:.2f}", f"{a['pct_ceiling']:.1f}",
-                     "" if t is None else f"{t:.1f}", "" if t is None else f"{t / a['us']:.2f}"])
-    return _table(["op", "dtype", "shape", "before us", "after us", "speedup", "% ceiling after",
-                   f"{PEER} us", f"{PEER} / after"], rows,
-                  [False, False, False, True, True, True, True, True, True])
+def _ab(before, after):
+    """A before/after table of two stored runs: the same cases, same GPU, same session."""
+    def table(data):
+        new = {(r["op"], r["dtype"], tuple(r["shape"])): r for r in _ok(data[after])}
+        rows = []
+        for b in _ok(data[before]):
+            a = new.get((b["op"], b["dtype"], tuple(b["shape"])))
+            if a is None:
+                continue
+            t = ((a.get("peers") or {}).get(PEER) or {}).get("us")
+            rows.append([b["op"], b["dtype"], _report.shape_str(b["shape"]), f"{b['us']:.1f}",
+                         f"{a['us']:.1f}", f"{b['us'] / a['us']:.2f}", f"{a['pct_ceiling']:.1f}",
+                         "" if t is None else f"{t:.1f}", "" if t is None else f"{t / a['us']:.2f}"])
+        return _table(["op", "dtype", "shape", "before us", "after us", "speedup",
+                       "% ceiling after", f"{PEER} us", f"{PEER} / after"], rows,
+                      [False, False, False, True, True, True, True, True, True])
+    return table
 
 
 def t_repeats(data):
@@ -327,7 +331,9 @@ def t_mt(data):
 TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "fusion": t_fusion,
           "repeats": t_repeats, "host": t_host, "graphs": t_graphs, "mixed": t_mixed,
-          "dask": t_dask, "train": _train(TRAIN), "rowwise-groups-ab": t_groups_ab,
+          "dask": t_dask, "train": _train(TRAIN),
+          "rowwise-groups-ab": _ab("groups_before.json", "groups_after.json"),
+          "rowwise-bwd16-ab": _ab("bwd16_before.json", "bwd16_after.json"),
           "train-b64": _train(TRAIN_B64), "multi-tensor": t_mt,
           **{f"rowwise-{x}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 

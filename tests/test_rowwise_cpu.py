@@ -50,9 +50,18 @@ def test_choose_generic_cases():
     assert rc.choose(10, BF16, 16385, True, 0, 90) is None
     assert rc.choose(12, BF16, 1000, True, None, 90) is None
     # two rows of 64 threads a block: a 16-bit row of 1,024 fills its slots (128 x 2 half-fills)
-    assert rc.choose(12, BF16, 1000, True, 3, 90) == (128, 64, 2, 1)
-    assert rc.choose(12, BF16, 1024, True, 0, 90) == (128, 64, 2, 1)
-    assert rc.choose(12, BF16, 1025, True, 0, 90) == (128, 128, 2, 1)
+    assert rc.choose(10, BF16, 1000, True, 3, 90) == (128, 64, 2, 1)
+    assert rc.choose(10, BF16, 1024, True, 0, 90) == (128, 64, 2, 1)
+    assert rc.choose(10, BF16, 1025, True, 0, 90) == (128, 128, 2, 1)
+    # the 16-bit norm backwards: one vector a thread (their gradient sums spill with two)
+    assert rc.choose(12, BF16, 1000, True, 3, 90) == (128, 128, 1, 1)
+    assert rc.choose(13, BF16, 8192, True, 0, 90) == (1024, 1024, 1, 1)
+    assert rc.choose(13, BF16, 8193, True, 0, 90) == (1024, 1024, 2, 1)
+    # rms_norm_backward: one vector up to 4,096, then two on 512 threads (measured faster)
+    assert rc.choose(12, BF16, 4096, True, 0, 90) == (512, 512, 1, 1)
+    assert rc.choose(12, BF16, 4097, True, 0, 90) == (512, 512, 2, 1)
+    assert rc.choose(12, BF16, 8192, True, 0, 90) == (512, 512, 2, 1)
+    assert rc.choose(13, F32, 1000, True, 0, 90) == (128, 128, 2, 1)
     assert rc.choose(0, F32, 1024, True, 0, 90) == (128, 64, 4, 1)
     assert rc.choose(0, F32, 1025, True, 0, 90) == (128, 128, 4, 1)
 
@@ -69,15 +78,22 @@ def test_grid_for():
 
 
 def test_pipe_plan(monkeypatch):
-    assert rc.pipe_plan(0, (256, 256, 4, 1), 8192, 132, 232448) == (528, 49152)
-    assert rc.pipe_plan(1, (128, 32, 4, 1), 32768, 132, 232448) == (1056, 24576)
-    assert rc.pipe_plan(3, (1024, 1024, 4, 1), 100, 132, 232448) == (100, 196608)
-    assert rc.pipe_plan(4, (256, 256, 4, 1), 8192, 132, 232448) is None  # two inputs
-    assert rc.pipe_plan(0, (1024, 1024, 4, 4), 8192, 132, 232448) == (128, 196608)  # 32 clusters
-    assert rc.pipe_plan(5, (1024, 1024, 4, 8), 3, 132, 232448) == (24, 196608)
-    assert rc.pipe_plan(0, (1024, 1024, 4, 1), 8, 132, 101376) is None  # too little smem
+    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448) == (528, 49152)
+    assert rc.pipe_plan(1, F32, (128, 32, 4, 1), 32768, 132, 232448) == (1056, 24576)
+    assert rc.pipe_plan(3, F32, (1024, 1024, 4, 1), 100, 132, 232448) == (100, 196608)
+    assert rc.pipe_plan(4, F32, (256, 256, 4, 1), 8192, 132, 232448) is None  # add_rms_norm
+    # the backwards stage both row operands: twice the shared memory of a one-input op
+    assert rc.pipe_plan(12, BF16, (128, 64, 2, 1), 32768, 132, 232448) == (1056, 24576)
+    assert rc.pipe_plan(10, BF16, (1024, 1024, 2, 1), 50, 132, 232448) == (50, 196608)
+    # ... for 16-bit dtypes only (float32 backwards measured slower piped)
+    assert rc.pipe_plan(12, F32, (128, 64, 2, 1), 32768, 132, 232448) is None
+    assert rc.pipe_plan(11, F32, (1024, 1024, 2, 1), 50, 132, 232448) is None
+    assert rc.piped(13, BF16) and rc.piped(0, F32) and not rc.piped(13, F32)
+    assert rc.pipe_plan(0, F32, (1024, 1024, 4, 4), 8192, 132, 232448) == (128, 196608)  # 32 clusters
+    assert rc.pipe_plan(5, F32, (1024, 1024, 4, 8), 3, 132, 232448) == (24, 196608)
+    assert rc.pipe_plan(0, F32, (1024, 1024, 4, 1), 8, 132, 101376) is None  # too little smem
     monkeypatch.setenv("CUPYLAB_ROWWISE_PIPELINE", "0")
-    assert rc.pipe_plan(0, (256, 256, 4, 1), 8192, 132, 232448) is None
+    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448) is None
 
 
 class _V:
@@ -119,7 +135,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 662
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 726
 
 
 def test_errors_need_no_gpu():
@@ -185,7 +201,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 662
+    assert n == 726
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():

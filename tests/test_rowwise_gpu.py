@@ -193,7 +193,7 @@ def test_leading_shapes_and_torch_stream():
 # on an H200), so its blocks walk several rows, not all the same number; (77, 500) and (4500,
 # 1000): two rows a block (threads per row 64) for float32 and 16-bit rows respectively
 BWD_SHAPES = [(0, 8), (1, 1), (199, 3), (199, 33), (77, 500), (199, 1000), (4500, 1000),
-              (30, 4097), (3, 20000), (2, 70001)]
+              (30, 4097), (5, 9000), (3, 20000), (2, 70001)]
 
 
 @pytest.mark.parametrize("dt", FLOATS)

@@ -41,11 +41,24 @@ FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
               (128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
+#: 16-bit layer_norm_backward: one vector a thread up to 1,024 slots (8,192 elements). Two
+#: 16-bit vectors make 16 columns a thread whose weight- and bias-gradient sums spill under the
+#: 64-register cap (scripts/ptxas_report.py); one vector does not. Longer rows keep two.
+LN16_BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 64, 1, 1), (128, 128, 1, 1),
+                   (256, 256, 1, 1), (512, 512, 1, 1), (1024, 1024, 1, 1), (1024, 1024, 2, 1))
+#: 16-bit rms_norm_backward (one gradient sum a column): one vector a thread up to 512 slots
+#: (4,096 elements); at 8,192 two vectors on 512 threads measured faster than one on 1,024
+#: (H200: bf16 8192x8192 142 against 180 us, docs/perf.md)
+RMS16_BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 64, 1, 1), (128, 128, 1, 1),
+                    (256, 256, 1, 1), (512, 512, 1, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
 GENERIC_THREADS = 512  # GT in rowwise.cu
 COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_W columns each
-#: single-input forward ops that use the persistent cp.async pipeline (row_pipe_kernel) for
-#: the non-cluster classes; PIPE_STAGES rows per block in shared memory
+#: ops that use the persistent cp.async pipeline (row_pipe_kernel) for the non-cluster
+#: classes: PIPE_STAGES rows of each input per block in shared memory. The backwards use it
+#: for 16-bit dtypes only: for float32 it measured 0.85-0.95x of the plain kernel (H200).
 PIPE_OPS = (0, 1, 2, 3, 5)
+PIPE16_OPS = (10, 11, 12, 13)
+TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
 PIPE_STAGES = 3  # PIPE_STAGES in rowwise.cu
 _SMEM_PER_SM = 233472  # bytes of shared memory per SM on sm_90 (228 KiB), 1 KiB reserved/block
 GROUPS = {"softmax": (0, 1), "norm": (2, 3, 4), "ce": (5,), "softmax_bwd": (10, 11),
@@ -55,8 +68,17 @@ FLAG_TARGET_I32, FLAG_MEAN, FLAG_W_F32 = 1, 2, 4
 _INT32_MAX = 2**31 - 1
 
 
-def ladder(op):
+def ladder(op, dt):
+    if dt.itemsize == 2 and op == 12:
+        return RMS16_BWD_LADDER
+    if dt.itemsize == 2 and op == 13:
+        return LN16_BWD_LADDER
     return BWD_LADDER if op >= 10 else FWD_LADDER
+
+
+def piped(op, dt):
+    """Whether ``op`` on ``dt`` has the persistent pipelined kernels (row_pipe_kernel)."""
+    return op in PIPE_OPS or (op in PIPE16_OPS and dt.itemsize == 2)
 
 
 def group_of(op):
@@ -87,9 +109,9 @@ def kernel_name(op, dt, cls, pipe=False):
 def name_expressions(group, dt):
     names = []
     for op in GROUPS[group]:
-        names += [kernel_name(op, dt, cls) for cls in ladder(op)] + [kernel_name(op, dt, None)]
-        if op in PIPE_OPS:
-            names += [kernel_name(op, dt, cls, True) for cls in ladder(op)]
+        names += [kernel_name(op, dt, cls) for cls in ladder(op, dt)] + [kernel_name(op, dt, None)]
+        if piped(op, dt):
+            names += [kernel_name(op, dt, cls, True) for cls in ladder(op, dt)]
     a = acc_dtype(dt)
     if group == "ce":
         names.append(f"cl::ce_aux<{a.ctype}>")
@@ -139,7 +161,7 @@ def choose(op, dt, cols, vec_ok, head, cc):
         return None  # the per-column weight-gradient sums need a fixed column per register
     v = 16 // dt.itemsize
     need = -(-(cols + (v - 1 if head is None else head)) // v)
-    for cls in ladder(op):
+    for cls in ladder(op, dt):
         th, tpr, nv, c = cls
         if c > 1 and cc < 90:
             continue
@@ -395,18 +417,18 @@ def pack_tail(lay, flags=0):
 ARGS_SIZE = struct.calcsize("@" + ARGS_FMT)
 
 
-def pipe_plan(op, cls, rows, sm_count, smem_optin):
+def pipe_plan(op, dt, cls, rows, sm_count, smem_optin):
     """``(grid, dynamic shared memory)`` of the persistent pipelined kernel for ``cls``, or
     None when it does not apply (other ops, too little shared memory, the
     ``CUPYLAB_ROWWISE_PIPELINE=0`` switch). Persistent grids never exceed what is resident at
     once; cluster grids assume clusters are placed within groups of 16 SMs (H100/H200 GPCs
     hold 16-18)."""
-    if op not in PIPE_OPS or cls is None:
+    if cls is None or not piped(op, dt):
         return None
     if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") == "0":
         return None
     th, tpr, nv, c = cls
-    smem = PIPE_STAGES * nv * th * 16
+    smem = PIPE_STAGES * (2 if op in TWO_IN else 1) * nv * th * 16
     if smem > smem_optin:
         return None
     per_sm = max(1, min(2048 // th, 65536 // (64 * th), _SMEM_PER_SM // (smem + 1024)))
@@ -439,11 +461,11 @@ def plan_rows(op, dt, lay, device):
     info = _runtime.device_info(device)
     cls = choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
     block = GENERIC_THREADS if cls is None else cls[0]
-    pp = pipe_plan(op, cls, lay.rows, info.sm_count, info.max_smem_optin)
+    pp = pipe_plan(op, dt, cls, lay.rows, info.sm_count, info.max_smem_optin)
     if pp is not None:
         k = kernel(group_of(op), dt, kernel_name(op, dt, cls, True))
         _opt_in(k, device, pp[1])  # beyond the 48 KiB default with the static reduce arrays
-        return k, pp[0], block, pp[1], 0
+        return k, pp[0], block, pp[1], pp[0] * (cls[0] // cls[1]) if op in BWD_W else 0
     grid, nparts = grid_for(op, cls, lay.rows, info.sm_count)
     return kernel(group_of(op), dt, kernel_name(op, dt, cls)), grid, block, 0, nparts
 
