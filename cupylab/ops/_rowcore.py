@@ -55,7 +55,7 @@ GENERIC_THREADS = 512  # GT in rowwise.cu
 COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_W columns each
 #: ops that use the persistent cp.async pipeline (row_pipe_kernel) for the non-cluster
 #: classes: PIPE_STAGES rows of each input per block in shared memory. The backwards use it
-#: for 16-bit dtypes only: for float32 it measured 0.85-0.95x of the plain kernel (H200).
+#: for 16-bit dtypes only: for float32 it measured 0.85-1.04x of the plain kernel (H200).
 PIPE_OPS = (0, 1, 2, 3, 5)
 PIPE16_OPS = (10, 11, 12, 13)
 TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
