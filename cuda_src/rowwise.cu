@@ -169,18 +169,29 @@ __device__ __forceinline__ i64 load_target(const RowArgs& p, i64 row) {
 // loads of the next rows are in flight while the current row is reduced and written.
 constexpr int PIPE_STAGES = 3;
 
+// Below sm_80 (no cp.async) the pipelined kernels still compile, with plain synchronous
+// copies, so that one program serves every architecture; the host never launches them there
+// (pipe_plan).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     unsigned a;
     asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
                  : "=r"(a) : "l"(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+#else
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
 }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
 }
 
 // Start copying this thread's slots of `row` (operand in0, or in1 when IN == 1) into `stage`

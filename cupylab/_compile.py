@@ -344,7 +344,7 @@ def compile_program(program: Program, cc: int):
     """Compile (or fetch from the disk cache) ``program`` for compute capability ``cc``.
 
     Returns ``(binary, mapping, kind, key)``. Needs no GPU: CI uses it to compile every
-    kernel instance for sm_80 and sm_90.
+    kernel instance for sm_75, sm_80 and sm_90.
     """
     arch_option, kind = target_for(cc)
     key = program.key(arch_option, nvrtc_version())

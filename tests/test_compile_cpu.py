@@ -182,9 +182,9 @@ def test_cuda_src_found():
     assert (d / "elementwise.cu").is_file() and (d / "cupylab_common.cuh").is_file()
 
 
-# -- every kernel instance, for the two archs CI promises ------------------------------------
+# -- every kernel instance, for the three archs CI promises ----------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("cc", [75, 80, 90])
 def test_every_kernel_template_compiles(cc, tmp_path, monkeypatch):
     """Every template of elementwise.cu, every operator and every dtype (as the computation
     dtype, an input and the output) and the mixed-dtype vector shapes: a representative set

@@ -169,7 +169,7 @@ def test_name_expressions_cover_every_combination():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("cc", [75, 80, 90])
 def test_every_multi_tensor_kernel_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(P.all_programs(), cc)

@@ -1,6 +1,6 @@
 """Row-wise operators without a GPU: kernel choice per row length, row layouts, argument
 errors, the RowArgs layout, the float64 references, and NVRTC compilation of every template
-for sm_80 and sm_90."""
+for sm_75, sm_80 and sm_90."""
 import numpy as np
 import pytest
 
@@ -78,22 +78,26 @@ def test_grid_for():
 
 
 def test_pipe_plan(monkeypatch):
-    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448) == (528, 49152)
-    assert rc.pipe_plan(1, F32, (128, 32, 4, 1), 32768, 132, 232448) == (1056, 24576)
-    assert rc.pipe_plan(3, F32, (1024, 1024, 4, 1), 100, 132, 232448) == (100, 196608)
-    assert rc.pipe_plan(4, F32, (256, 256, 4, 1), 8192, 132, 232448) is None  # add_rms_norm
+    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) == (528, 49152)
+    assert rc.pipe_plan(1, F32, (128, 32, 4, 1), 32768, 132, 232448, 90) == (1056, 24576)
+    assert rc.pipe_plan(3, F32, (1024, 1024, 4, 1), 100, 132, 232448, 90) == (100, 196608)
+    assert rc.pipe_plan(4, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) is None  # add_rms_norm
     # the backwards stage both row operands: twice the shared memory of a one-input op
-    assert rc.pipe_plan(12, BF16, (128, 64, 2, 1), 32768, 132, 232448) == (1056, 24576)
-    assert rc.pipe_plan(10, BF16, (1024, 1024, 2, 1), 50, 132, 232448) == (50, 196608)
+    assert rc.pipe_plan(12, BF16, (128, 64, 2, 1), 32768, 132, 232448, 90) == (1056, 24576)
+    assert rc.pipe_plan(10, BF16, (1024, 1024, 2, 1), 50, 132, 232448, 90) == (50, 196608)
     # ... for 16-bit dtypes only (float32 backwards measured slower piped)
-    assert rc.pipe_plan(12, F32, (128, 64, 2, 1), 32768, 132, 232448) is None
-    assert rc.pipe_plan(11, F32, (1024, 1024, 2, 1), 50, 132, 232448) is None
+    assert rc.pipe_plan(12, F32, (128, 64, 2, 1), 32768, 132, 232448, 90) is None
+    assert rc.pipe_plan(11, F32, (1024, 1024, 2, 1), 50, 132, 232448, 90) is None
     assert rc.piped(13, BF16) and rc.piped(0, F32) and not rc.piped(13, F32)
-    assert rc.pipe_plan(0, F32, (1024, 1024, 4, 4), 8192, 132, 232448) == (128, 196608)  # 32 clusters
-    assert rc.pipe_plan(5, F32, (1024, 1024, 4, 8), 3, 132, 232448) == (24, 196608)
-    assert rc.pipe_plan(0, F32, (1024, 1024, 4, 1), 8, 132, 101376) is None  # too little smem
+    # no cp.async below compute capability 8.0: the plain register kernels
+    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 40, 65536, 75) is None
+    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 108, 166912, 80) == (324, 49152)
+    # 32 clusters
+    assert rc.pipe_plan(0, F32, (1024, 1024, 4, 4), 8192, 132, 232448, 90) == (128, 196608)
+    assert rc.pipe_plan(5, F32, (1024, 1024, 4, 8), 3, 132, 232448, 90) == (24, 196608)
+    assert rc.pipe_plan(0, F32, (1024, 1024, 4, 1), 8, 132, 101376, 90) is None  # too little smem
     monkeypatch.setenv("CUPYLAB_ROWWISE_PIPELINE", "0")
-    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448) is None
+    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) is None
 
 
 class _V:
@@ -197,7 +201,7 @@ def test_references():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("cc", [75, 80, 90])
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)

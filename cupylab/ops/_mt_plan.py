@@ -129,7 +129,7 @@ def program(which) -> _compile.Program:
 
 
 def all_programs():
-    """Every multi-tensor program (CI compiles them all for sm_80 and sm_90)."""
+    """Every multi-tensor program (CI compiles them all for sm_75, sm_80 and sm_90)."""
     return [program(w) for w in _NAMES]
 
 

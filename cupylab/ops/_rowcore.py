@@ -60,7 +60,6 @@ PIPE_OPS = (0, 1, 2, 3, 5)
 PIPE16_OPS = (10, 11, 12, 13)
 TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
 PIPE_STAGES = 3  # PIPE_STAGES in rowwise.cu
-_SMEM_PER_SM = 233472  # bytes of shared memory per SM on sm_90 (228 KiB), 1 KiB reserved/block
 GROUPS = {"softmax": (0, 1), "norm": (2, 3, 4), "ce": (5,), "softmax_bwd": (10, 11),
           "norm_bwd": (12, 13)}
 ARGS_FMT = "13Q5q12q2d"  # struct RowArgs
@@ -135,7 +134,7 @@ def program(group, dt) -> _compile.Program:
 
 
 def all_programs():
-    """Every program this family can launch (CI compiles them for sm_80 and sm_90)."""
+    """Every program this family can launch (CI compiles them for sm_75, sm_80 and sm_90)."""
     return [program(g, dt) for g in GROUPS for dt in FLOATS]
 
 
@@ -417,13 +416,14 @@ def pack_tail(lay, flags=0):
 ARGS_SIZE = struct.calcsize("@" + ARGS_FMT)
 
 
-def pipe_plan(op, dt, cls, rows, sm_count, smem_optin):
+def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
     """``(grid, dynamic shared memory)`` of the persistent pipelined kernel for ``cls``, or
-    None when it does not apply (other ops, too little shared memory, the
-    ``CUPYLAB_ROWWISE_PIPELINE=0`` switch). Persistent grids never exceed what is resident at
-    once; cluster grids assume clusters are placed within groups of 16 SMs (H100/H200 GPCs
-    hold 16-18)."""
-    if cls is None or not piped(op, dt):
+    None when it does not apply (other ops, compute capability below 8.0 (no ``cp.async``),
+    too little shared memory, the ``CUPYLAB_ROWWISE_PIPELINE=0`` switch). Persistent grids
+    never exceed what is resident at once (an SM's shared memory is the per-block opt-in
+    maximum plus the 1 KiB the driver reserves: 228 KiB on sm_90, 164 KiB on sm_80); cluster
+    grids assume clusters are placed within groups of 16 SMs (H100/H200 GPCs hold 16-18)."""
+    if cls is None or cc < 80 or not piped(op, dt):
         return None
     if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") == "0":
         return None
@@ -431,7 +431,7 @@ def pipe_plan(op, dt, cls, rows, sm_count, smem_optin):
     smem = PIPE_STAGES * (2 if op in TWO_IN else 1) * nv * th * 16
     if smem > smem_optin:
         return None
-    per_sm = max(1, min(2048 // th, 65536 // (64 * th), _SMEM_PER_SM // (smem + 1024)))
+    per_sm = max(1, min(2048 // th, 65536 // (64 * th), (smem_optin + 1024) // (smem + 1024)))
     units = -(-rows // (th // tpr))
     if c > 1:
         resident = (sm_count // 16) * (16 // c) * per_sm
@@ -461,7 +461,7 @@ def plan_rows(op, dt, lay, device):
     info = _runtime.device_info(device)
     cls = choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
     block = GENERIC_THREADS if cls is None else cls[0]
-    pp = pipe_plan(op, dt, cls, lay.rows, info.sm_count, info.max_smem_optin)
+    pp = pipe_plan(op, dt, cls, lay.rows, info.sm_count, info.max_smem_optin, info.cc)
     if pp is not None:
         k = kernel(group_of(op), dt, kernel_name(op, dt, cls, True))
         _opt_in(k, device, pp[1])  # beyond the 48 KiB default with the static reduce arrays

@@ -221,7 +221,7 @@ def representative_program() -> _compile.Program:
 
 
 def all_programs():
-    """The programs CI compiles for sm_80 and sm_90 (a representative set of instances)."""
+    """The programs CI compiles for sm_75, sm_80 and sm_90 (a representative set of instances)."""
     return [representative_program()]
 
 
