@@ -64,10 +64,26 @@ def test_softmax_takes_a_plain_array_and_reuses_its_plan(fake):
     assert name.startswith("cl::row_") and "<float, 0," in name
     assert args[0] == y.ptr and args[2] == x.ptr  # out0, in0
     assert args[13:16] == (4, 1000, 4)  # rows, cols, n1
-    plan = rf._plans[("softmax", F32, (4, 1000), 0)]
+    plan = rf._plans[("softmax", F32, (4, 1000), 0, 0)]
     rf.softmax("softmax", Arr((4, 1000)), 1)  # axis 1 of 2 is the last one
-    assert len(rf._plans) == 1 and rf._plans[("softmax", F32, (4, 1000), 0)] is plan
+    assert len(rf._plans) == 1 and rf._plans[("softmax", F32, (4, 1000), 0, 0)] is plan
     assert fake[1][:4] == fake[0][:4]
+
+
+def test_each_device_gets_its_own_plan(fake, monkeypatch):
+    # a plan holds the first device's grid and shared-memory opt-in: a second device with the
+    # same signature must plan (and opt in) for itself, not replay the first one's launch
+    infos = {0: types.SimpleNamespace(cc=90, sm_count=132, max_smem_optin=232448),
+             1: types.SimpleNamespace(cc=80, sm_count=108, max_smem_optin=166912)}
+    monkeypatch.setattr(_runtime, "device_info", lambda dev: infos[dev])
+    opted = []
+    monkeypatch.setattr(rc, "_opt_in", lambda k, dev, smem: opted.append((dev, smem)))
+    for dev in (0, 1):
+        monkeypatch.setattr(rf, "_get_device", lambda dev=dev: dev)
+        rf.softmax("softmax", Arr((50000, 2048), dev=dev), -1)
+    assert len(rf._plans) == 2
+    assert fake[0][1] != fake[1][1]  # grids sized for 132 and 108 SMs
+    assert [d for d, _ in opted] == [0, 1]
 
 
 def test_an_address_off_16_bytes_gets_its_own_plan(fake):

@@ -5,7 +5,8 @@ The general path (:mod:`cupylab.ops.rowwise`) turns each operand into a View, ch
 the rows out, chooses the kernel and its grid, packs the arguments and launches: about 30-90 µs
 of host time per call, several times the GPU time of a norm over a few thousand rows. Here the
 choice is made once per *signature* — operator, dtype, shape, the weight's dtype, which
-operands are present and every input's address modulo 16 — by the general path's own
+operands are present, every input's address modulo 16 and the device (whose SM count, compute
+capability and shared-memory opt-in the plan depends on) — by the general path's own
 functions (:func:`_rowcore.make_layout`, :func:`_rowcore.choose`, :func:`_rowcore.grid_for`,
 :func:`_rowcore.pipe_plan`) and kept as a :class:`Plan`; a call then reads each operand's
 pointer, shape and dtype, allocates its outputs and launches the planned kernel(s).
@@ -223,7 +224,7 @@ def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
                 return MISS
             pb, flags = r[0], r[1]
         key = (opname, fdt, shape, wdt, flags, bias is not None, residual is not None,
-               p0 & 15, p1 & 15)
+               p0 & 15, p1 & 15, dev)
         y, py = new(x, None, None)
         h = None
         ph = 0
@@ -267,7 +268,7 @@ def softmax(opname, x, axis):
         if axis != -1 and axis != len(shape) - 1:
             return MISS
         y, py = new(x, None, None)
-        key = (opname, fdt, shape, p0 & 15)
+        key = (opname, fdt, shape, p0 & 15, dev)
         plan = _plans.get(key)
         if plan is None:
             plan = _plan(key, opname, (x, None, y, None), None, 0, dev)
@@ -290,7 +291,7 @@ def softmax_backward(opname, y, dy):
             return MISS
         fw, _, (fdt, shape, p0, dev), p1 = lead
         dx, pd = fw[1](y, None, None)
-        key = (opname, fdt, shape, p0 & 15, p1 & 15)
+        key = (opname, fdt, shape, p0 & 15, p1 & 15, dev)
         plan = _plans.get(key)
         if plan is None:
             plan = _plan(key, opname, (y, dy, dx, None), None, 0, dev)
@@ -342,7 +343,7 @@ def norm_backward(opname, dy, x, weight, mean, rstd):
                 return MISS
             pw, flags, wdt = r
         dx, pd = new(x, None, None)
-        key = (opname, fdt, shape, wdt, p0 & 15, p1 & 15)
+        key = (opname, fdt, shape, wdt, p0 & 15, p1 & 15, dev)
         plan = _plans.get(key)
         if plan is None:
             plan = _plan(key, opname, (x, dy, dx, None), weight, flags, dev)
