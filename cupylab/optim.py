@@ -229,4 +229,4 @@ def increment_step_(step, found_inf=None, *, stream=None):
 
         ptr = _arrays.as_view(step).ptr
         k = P.kernel("norm", "cl::mt::mt_step_inc", ("Q", "i", "Q"))
-        P.run_kernel(k, plan.device, 1, 32, s, (ptr, plan.sizes[0], fi), plan.kind)
+        P.run_kernel(k, plan, 1, 32, s, (ptr, plan.sizes[0], fi))

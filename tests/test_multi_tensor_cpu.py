@@ -185,6 +185,45 @@ def test_prepare_refuses_other_functions():
         foreach.prepare(foreach.prepare, foreach.add_)
 
 
+def test_prepared_call_keeps_the_plans_its_launches_point_into(sim, monkeypatch):
+    # a prepared call replays arguments that point into a plan's tables and workspace; a plan
+    # that is not cached (stream=, JAX lists) must live as long as the prepared call
+    import types
+
+    from cupylab import _runtime
+
+    monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(streamSynchronize=lambda s: None))))
+    replayed = []
+
+    class K:
+        def function(self, device):
+            return None
+
+        def launch(self, device, grid, block, stream, args):
+            replayed.append((device, grid, stream, args))
+
+    class Plan:  # stands for a built plan: device, kind, and memory that dies with it
+        device, kind = 0, "cupy"
+
+    def fake_op(*, stream=None):
+        plan = Plan()  # built for this call only, as with stream= (never cached)
+        P.run_kernel(K(), plan, 3, 128, stream, (id(plan), 1))
+        P.run_kernel(K(), plan, 1, 32, stream, (id(plan), 2))
+        return weakref.ref(plan)
+
+    fake_op.__module__ = F.__name__
+    call = foreach.prepare(fake_op)
+    ref = call.result
+    gc.collect()
+    assert ref() is not None  # kept by the prepared call
+    assert call() is ref and [r[1] for r in replayed] == [3, 1]
+    assert replayed[0][3] == (id(ref()), 1)
+    del call
+    gc.collect()
+    assert ref() is None  # and by nothing else
+
+
 def test_host_dlpack_producer_is_a_type_error_before_any_gpu_call(monkeypatch):
     from cupylab import _runtime
 

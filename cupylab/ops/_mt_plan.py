@@ -415,29 +415,34 @@ def repoint(plan, slot, ptrs, stream):
 _recording = threading.local()
 
 
-def run_kernel(k, device, grid, block, stream, args, kind):
-    """Launch ``k`` — or, while :func:`record` is active in this thread, note the launch
-    (for :func:`cupylab.foreach.prepare`) without running it."""
+def run_kernel(k, plan, grid, block, stream, args):
+    """Launch ``k`` for ``plan`` — or, while :func:`record` is active in this thread, note the
+    launch (for :func:`cupylab.foreach.prepare`) without running it, and keep ``plan``: the
+    arguments point into its tables and workspace, which must outlive every replay (a plan
+    that is not cached, e.g. with ``stream=`` or JAX lists, is otherwise freed at once)."""
     log = getattr(_recording, "log", None)
     if log is not None:
-        k.function(device)  # compile and load now, not at the first replay
-        log.append((k, device, grid, block, args, kind))
+        k.function(plan.device)  # compile and load now, not at the first replay
+        log.append((k, plan.device, grid, block, args, plan.kind))
+        if not any(q is plan for q in _recording.plans):
+            _recording.plans.append(plan)
         return
-    k.launch(device, grid, block, stream, args)
+    k.launch(plan.device, grid, block, stream, args)
 
 
 class record:
     """Context manager: the launches of the multi-tensor operators called inside are noted in
-    ``.launches`` instead of run."""
+    ``.launches`` instead of run, and the plans they use in ``.plans``."""
 
     def __enter__(self):
         if getattr(_recording, "log", None) is not None:
             raise RuntimeError("cupylab.foreach.prepare cannot be nested")
         self.launches = _recording.log = []
+        self.plans = _recording.plans = []
         return self
 
     def __exit__(self, *exc):
-        _recording.log = None
+        _recording.log = _recording.plans = None
         return False
 
 
@@ -445,8 +450,8 @@ def launch(plan, kernel_for, args, stream):
     """Launch ``kernel_for(group signature)`` once per non-empty group."""
     for g in plan.groups:
         if g.nblocks:
-            run_kernel(kernel_for(g.sig), plan.device, g.nblocks, BLOCK, stream,
-                       (g.tab_ptr, g.map_ptr, plan.chunk) + args, plan.kind)
+            run_kernel(kernel_for(g.sig), plan, g.nblocks, BLOCK, stream,
+                       (g.tab_ptr, g.map_ptr, plan.chunk) + args)
 
 
 # -- the cache ---------------------------------------------------------------------------------

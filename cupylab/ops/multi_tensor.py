@@ -440,13 +440,13 @@ def _norm_launch(plan, s, per_tensor_ptr, total_ptr, coef_ptr, max_norm=0.0, eps
     for g in plan.groups:
         if g.nblocks:
             k = P.kernel("norm", f"cl::mt::mt_sumsq<{P.CT[g.sig[0]]}>", _SUMSQ_FMTS)
-            P.run_kernel(k, plan.device, g.nblocks, P.BLOCK, s,
-                         (g.tab_ptr, g.map_ptr, plan.chunk, base + 8 * g.first), plan.kind)
+            P.run_kernel(k, plan, g.nblocks, P.BLOCK, s,
+                         (g.tab_ptr, g.map_ptr, plan.chunk, base + 8 * g.first))
     o = "double" if all(g.sig[0] == "float64" for g in plan.groups) else "float"
     k = P.kernel("norm", f"cl::mt::mt_norm_finish<{o}>", _FINISH_FMTS)
-    P.run_kernel(k, plan.device, 1, 1024, s, (base, plan.nblocks, plan.tb_ptr, plan.n,
-                                              per_tensor_ptr, total_ptr, coef_ptr,
-                                              float(max_norm), float(eps)), plan.kind)
+    P.run_kernel(k, plan, 1, 1024, s, (base, plan.nblocks, plan.tb_ptr, plan.n,
+                                       per_tensor_ptr, total_ptr, coef_ptr,
+                                       float(max_norm), float(eps)))
     return o
 
 
@@ -668,4 +668,5 @@ def prepare(fn, *args, stream=None, **kwargs):
         with _launch.ensure_device(device):
             s = fixed if fixed is not None else _launch.current_stream(kind, device)
             _runtime.cupy().cuda.runtime.streamSynchronize(s)
-    return PreparedForeach(rec.launches, fixed, result, (args, kwargs))
+    # the arrays, and the plans whose tables and workspace the recorded arguments point into
+    return PreparedForeach(rec.launches, fixed, result, (args, kwargs, rec.plans))
