@@ -114,8 +114,9 @@ def _np_dtype_for(dt):
 
 
 def allocate(kind, shape, dt, device):
-    """A new C-contiguous array: torch for torch callers, CuPy for everyone else (JAX and
-    Numba results are wrapped from it after the launch: :func:`finish_output`)."""
+    """A new C-contiguous array on ``device``: torch for torch callers, CuPy for everyone else
+    (JAX and Numba results are wrapped from it after the launch: :func:`finish_output`). The
+    callers need not have made ``device`` current (CuPy allocates on the current device)."""
     if kind == "torch":
         torch = sys.modules["torch"]
         tdt = _torch_dt.get(dt.name)
@@ -126,6 +127,9 @@ def allocate(kind, shape, dt, device):
             dev = _torch_dev[device] = torch.device("cuda", device)
         return torch.empty(shape, dtype=tdt, device=dev)
     cp = _runtime.cupy()
+    if device is not None and _runtime.current_device() != device:
+        with cp.cuda.Device(device):
+            return cp.empty(shape, dtype=_np_dtype_for(dt))
     return cp.empty(shape, dtype=_np_dtype_for(dt))
 
 

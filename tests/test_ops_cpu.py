@@ -377,3 +377,33 @@ def test_streaming_smem_only_where_the_occupancy_calculator_confirms_six_blocks(
         blocks[(77, 256, 233472 // 7 - 1024)] = answer
         assert _launch.streaming_smem(kern, 0) == want, (attrs, answer)
         assert _launch._stream_smem == {0: want}  # computed once per device
+
+
+def test_allocate_makes_the_array_on_the_given_device(monkeypatch):
+    # CuPy allocates on the current device; the row-wise and cross-entropy paths allocate
+    # their outputs before making the inputs' device current, so allocate must switch itself
+    import contextlib
+    import types
+
+    from cupylab import _elementwise_core as core, _runtime
+
+    cur = [0]
+    made = []
+
+    @contextlib.contextmanager
+    def device(d):
+        old, cur[0] = cur[0], d
+        try:
+            yield
+        finally:
+            cur[0] = old
+
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=device),
+        empty=lambda shape, dtype: made.append((cur[0], shape, np.dtype(dtype))) or made[-1])
+    monkeypatch.setattr(_runtime, "cupy", lambda: fake)
+    monkeypatch.setattr(_runtime, "current_device", lambda: cur[0])
+    core.allocate("cupy", (3, 4), F32, 1)
+    core.allocate("jax", (5,), F32, 0)
+    assert made == [(1, (3, 4), np.dtype("float32")), (0, (5,), np.dtype("float32"))]
+    assert cur == [0]  # the caller's current device is left as it was
