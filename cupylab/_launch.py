@@ -75,8 +75,9 @@ def wait_for(consumer: int, producer, device: int) -> None:
     if evs is None:
         evs = _tls_events.d = {}
     ev = evs.get(device)
-    if ev is None:
-        ev = evs[device] = rt.eventCreateWithFlags(rt.eventDisableTiming)
+    if ev is None:  # created on ``device`` (an event records only onto its device's streams)
+        with ensure_device(device):
+            ev = evs[device] = rt.eventCreateWithFlags(rt.eventDisableTiming)
     rt.eventRecord(ev, producer)
     rt.streamWaitEvent(consumer, ev, 0)
 

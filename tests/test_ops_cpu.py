@@ -407,3 +407,37 @@ def test_allocate_makes_the_array_on_the_given_device(monkeypatch):
     core.allocate("jax", (5,), F32, 0)
     assert made == [(1, (3, 4), np.dtype("float32")), (0, (5,), np.dtype("float32"))]
     assert cur == [0]  # the caller's current device is left as it was
+
+
+def test_wait_for_makes_its_event_on_the_given_device(monkeypatch):
+    # the per-thread event of device d must be created on d even when another device is
+    # current (callers order JAX/Numba outputs after leaving the launch's device scope)
+    import contextlib
+    import types
+
+    from cupylab import _launch, _runtime
+
+    cur = [0]
+    log = []
+
+    @contextlib.contextmanager
+    def device(d):
+        old, cur[0] = cur[0], d
+        try:
+            yield
+        finally:
+            cur[0] = old
+
+    rt = types.SimpleNamespace(
+        eventDisableTiming=2, getDevice=lambda: cur[0],
+        eventCreateWithFlags=lambda f: log.append(("create", cur[0])) or f"ev{cur[0]}",
+        eventRecord=lambda ev, s: log.append(("record", ev, s)),
+        streamWaitEvent=lambda s, ev, f: log.append(("wait", s, ev)))
+    monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(
+        cuda=types.SimpleNamespace(runtime=rt, Device=device)))
+    monkeypatch.setattr(_launch._tls_events, "d", {}, raising=False)
+    _launch.wait_for(0x10, 0x20, 1)
+    _launch.wait_for(0x11, 0x21, 1)  # the event is made once per thread and device
+    assert log == [("create", 1), ("record", "ev1", 0x20), ("wait", 0x10, "ev1"),
+                   ("record", "ev1", 0x21), ("wait", 0x11, "ev1")]
+    assert cur == [0]

@@ -480,7 +480,8 @@ def prepare(fn, *args, out=None, dtype=None, casting="same_kind", stream=None):
     arguments are frozen into the call's own parameter buffer), on the caller's current
     stream at call time (torch's for torch arrays, CuPy's otherwise) or on ``stream`` if given
     here. The arrays must stay alive and keep their storage while the prepared call is used;
-    new values written into them are of course seen.
+    new values written into them are of course seen. Call it with the arrays' device current
+    (``call.device``): to stay as cheap as a bare launch, ``call()`` does not switch devices.
 
     Parameters
     ----------
