@@ -9,10 +9,11 @@ Every table in docs/perf.md sits between two marker comments::
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
 (``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
 ``mixed.json``, ``rowwise_*.json``, the before/after pairs ``groups_before.json`` /
-``groups_after.json`` and ``bwd16_before.json`` / ``bwd16_after.json``), the Dask example's ``dask.json``, the training example's
-``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``, the multi-tensor bench's
-``multi_tensor.json`` and the command file, and leaves every other line (the prose) alone. The per-case tables are formatted
-by :mod:`cupylab.bench._report`, the same code that prints them on the command line.
+``groups_after.json`` and ``bwd16_before.json`` / ``bwd16_after.json``), the Dask example's
+``dask.json``, the training example's ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``,
+the multi-tensor bench's ``multi_tensor.json`` and the command file, and leaves every other
+line (the prose) alone. The per-case tables are formatted by :mod:`cupylab.bench._report`, the
+same code that prints them on the command line.
 
 Usage (from the repository root; needs no GPU)::
 
