@@ -639,3 +639,21 @@ def test_eager_backward_is_once_differentiable(cpu_kernels):
     torch.testing.assert_close(gx.detach(), ref)
     with pytest.raises(RuntimeError, match="once_differentiable|twice|double"):
         gx.sum().backward()
+
+
+@pytest.mark.parametrize("path", ["functional", "registered"])
+def test_cross_entropy_double_backward_raises(cpu_kernels, path):
+    """cross_entropy's backward reuses the gradient its forward wrote: with create_graph=True
+    the first gradient is right, and differentiating it again raises instead of silently
+    leaving out the loss's Hessian (the second derivative torch would give)."""
+    x = _g(5, 7, dtype=torch.float64)
+    t = torch.tensor([0, 3, 6, 2, 1])
+    if path == "functional":
+        loss = F.cross_entropy(x, t)
+    else:
+        loss = torch.ops.cupylab.cross_entropy(x, t, -100, "mean", 0.0, True)[0]
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    torch.testing.assert_close(gx.detach(), torch.autograd.grad(
+        torch.nn.functional.cross_entropy(x, t), x)[0])
+    with pytest.raises(RuntimeError, match="no double backward"):
+        gx.pow(2).sum().backward()

@@ -119,6 +119,22 @@ def _add_rms_norm_backward(k, ctx, dy, dh, _drstd):
 
 
 # -- cross-entropy: the gradient was written by the forward -----------------------------------
+class _NoDoubleBackward(torch.autograd.Function):
+    """The gradient passed through; differentiating it again raises. Cross-entropy's backward
+    scales the gradient its forward wrote, which has no graph of its own: without this a second
+    differentiation (``create_graph=True``) would silently leave out the loss's Hessian."""
+
+    @staticmethod
+    def forward(ctx, g):
+        return g.view_as(g)
+
+    @staticmethod
+    def backward(ctx, _):
+        raise RuntimeError("cupylab cross_entropy: its gradient cannot be differentiated again "
+                           "(no double backward); use torch.nn.functional.cross_entropy where "
+                           "second-order gradients are needed")
+
+
 def _cross_entropy_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(output[1])
@@ -140,7 +156,10 @@ def _cross_entropy_backward(k, ctx, dloss, _ddlogits):
         dloss = dloss.unsqueeze(-1)
     # cupylab's multiply, not torch's: a tensor times a 0-d tensor runs at the bandwidth
     # ceiling there (252 us for 8192 x 32000 bf16 on an H200; torch's broadcast kernel 570 us)
-    return (k.multiply(dlogits, dloss), None, None, None, None, None, None)
+    dx = k.multiply(dlogits, dloss)
+    if _grad_enabled():  # create_graph=True: a second differentiation must raise, not drop
+        dx = _NoDoubleBackward.apply(dx.detach().requires_grad_())
+    return (dx, None, None, None, None, None, None)
 
 
 # -- elementwise ------------------------------------------------------------------------------
@@ -288,6 +307,9 @@ def _function(name, setup, backward):
     n, total = _EAGER_OUTPUTS.get(name, (None, None))
     kern = functools.partial(backward, _kernels)
     once = once_differentiable(kern)
+    # cross-entropy guards its own result (once_differentiable would not: its incoming
+    # gradient, the loss's, does not require grad, so nothing would be marked)
+    self_guarded = name == "cross_entropy"
     pad = () if n is None else (None,) * (total - n)
 
     def forward(ctx, *args):
@@ -300,7 +322,7 @@ def _function(name, setup, backward):
     def bwd(ctx, *grads):
         if pad:
             grads += pad
-        if _grad_enabled():  # create_graph=True: once-differentiable
+        if _grad_enabled() and not self_guarded:  # create_graph=True: once-differentiable
             return once(ctx, *grads)
         return kern(ctx, *grads)
 
