@@ -657,3 +657,15 @@ def test_cross_entropy_double_backward_raises(cpu_kernels, path):
         torch.nn.functional.cross_entropy(x, t), x)[0])
     with pytest.raises(RuntimeError, match="no double backward"):
         gx.pow(2).sum().backward()
+
+
+def test_fused_add_mul_complex_scalar_gradient_is_conjugated(cpu_kernels):
+    """With a complex Python scalar s, d(a) = g * conj(s), as torch's autograd gives."""
+    a = torch.randn(6, dtype=torch.complex128, requires_grad=True)
+    b = torch.randn(6, dtype=torch.complex128, requires_grad=True)
+    g = torch.randn(6, dtype=torch.complex128)
+    F.fused_add_mul(a, b, 0.5 + 2j).backward(g)
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    ((a2 + b2) * (0.5 + 2j)).backward(g)
+    torch.testing.assert_close(a.grad, a2.grad)
+    torch.testing.assert_close(b.grad, b2.grad)

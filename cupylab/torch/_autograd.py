@@ -268,7 +268,8 @@ def _fam_scalar_backward(k, ctx, g):
         return None, None, None
     ma, mb = ctx.metas
     need = ctx.needs_input_grad
-    gs = g * ctx.s
+    s = ctx.s
+    gs = g * (s.conjugate() if type(s) is complex else s)  # torch's convention: g * conj(s)
     return (_reduce(gs, ma) if need[0] else None), (_reduce(gs, mb) if need[1] else None), None
 
 
