@@ -669,3 +669,55 @@ def test_fused_add_mul_complex_scalar_gradient_is_conjugated(cpu_kernels):
     ((a2 + b2) * (0.5 + 2j)).backward(g)
     torch.testing.assert_close(a.grad, a2.grad)
     torch.testing.assert_close(b.grad, b2.grad)
+
+
+# -- torch.optim.SGD host logic (the launches recorded, not run) -------------------------------
+@pytest.fixture
+def sgd_launches(monkeypatch):
+    import contextlib
+
+    from cupylab import _launch, optim as _optim
+    from cupylab.torch import optim as O
+
+    class Plan:
+        device = 0
+
+    seen = []
+    monkeypatch.setattr(O.F, "_validate", lambda *a, **k: (Plan(), 0))
+    monkeypatch.setattr(O.P, "ready", lambda plan, s: None)
+    monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0)
+    monkeypatch.setattr(_optim, "sgd_launch", lambda name, plan, s, **kw: seen.append(kw))
+    return O, seen
+
+
+def test_sgd_momentum_without_dampening_takes_late_params_and_grad_scaler(sgd_launches):
+    """Without dampening the first momentum step is the ordinary step on a zeroed buffer, so a
+    parameter whose first gradient comes late joins its group's launch, and a first step may
+    carry found_inf (torch.amp.GradScaler always passes it)."""
+    O, seen = sgd_launches
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = O.SGD([a, b], lr=0.1, momentum=0.9)
+    a.grad = torch.ones(3)
+    opt.step(found_inf=torch.zeros(1))  # b has no gradient yet: left out
+    b.grad = torch.ones(2)
+    opt.step()
+    assert [kw["first_step"] for kw in seen] == [False, False]
+    assert torch.count_nonzero(opt.state[b]["momentum_buffer"]) == 0  # zeroed, not stale
+
+
+def test_sgd_dampening_keeps_the_first_step_rules(sgd_launches):
+    O, seen = sgd_launches
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = O.SGD([a, b], lr=0.1, momentum=0.9, dampening=0.5)
+    a.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="with dampening, the first momentum step"):
+        opt.step(found_inf=torch.zeros(1))
+    opt.step()  # the refused step did not count: this one is still the first
+    assert seen[-1]["first_step"] is True
+    opt2 = O.SGD([a, b], lr=0.1, momentum=0.9, dampening=0.5)
+    opt2.step()
+    assert seen[-1]["first_step"] is True
+    b.grad = torch.ones(2)
+    with pytest.raises(ValueError, match="with dampening, some parameters"):
+        opt2.step()

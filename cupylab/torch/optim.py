@@ -319,10 +319,15 @@ class SGD(_Fused, torch.optim.SGD):
             P.append(p.detach())
             G.append(g.detach())
             W.append(s.get("master_param"))
-        if fresh and any(fresh) and not all(fresh):
-            raise ValueError("cupylab.torch.optim.SGD: some parameters of a group have momentum "
-                             "buffers and some do not; step them in separate groups")
-        self._cl_first_pending = bool(fresh) and all(fresh)
+        # The first momentum step sets buffer = gradient. Without dampening the ordinary step
+        # on a zeroed buffer gives exactly that, so only dampening needs the first-step form
+        # (one per launch: a group's buffers must then all be new, or none).
+        damp = group["dampening"] != 0
+        if damp and any(fresh) and not all(fresh):
+            raise ValueError("cupylab.torch.optim.SGD: with dampening, some parameters of a "
+                             "group have momentum buffers and some do not; step them in "
+                             "separate groups")
+        self._cl_first_pending = damp and bool(fresh) and all(fresh)
         anymaster = any(w is not None for w in W)
         return ([P, G, B if mom else None, W if anymaster else None],
                 ["params", "grads", "momentum_buffers", "master_params"],
@@ -339,8 +344,10 @@ class SGD(_Fused, torch.optim.SGD):
             plan, s, _ = r
             first = self._cl_first_pending or self._cl_first.pop(gi, False)
             if first and found_inf is not None:
-                raise ValueError("cupylab.torch.optim.SGD: the first momentum step cannot be "
-                                 "skipped on the device (found_inf); take one step without it")
+                self._cl_first[gi] = True  # the buffers exist now; the next step is still first
+                raise ValueError("cupylab.torch.optim.SGD: with dampening, the first momentum "
+                                 "step cannot be skipped on the device (found_inf, as "
+                                 "GradScaler passes); take one step without it")
             _optim.sgd_launch("SGD.step", plan, s, lr=self._cl_lr(group),
                               momentum=group["momentum"], dampening=group["dampening"],
                               weight_decay=group["weight_decay"], nesterov=group["nesterov"],
