@@ -721,3 +721,58 @@ def test_sgd_dampening_keeps_the_first_step_rules(sgd_launches):
     b.grad = torch.ones(2)
     with pytest.raises(ValueError, match="with dampening, some parameters"):
         opt2.step()
+
+
+# -- torch optimizers: checkpoints, late groups, late parameters (no launch) -------------------
+def test_adam_keeps_master_weights_when_loading_a_torch_checkpoint():
+    from cupylab.torch import optim as O
+
+    p = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
+    ref = torch.optim.Adam([p], lr=1e-3)
+    p.grad = torch.randn(8).to(torch.bfloat16)
+    ref.step()  # torch's state: bf16 exp_avg / exp_avg_sq, no master copy
+    opt = O.Adam([p], lr=1e-3, master_weights=True)
+    opt.load_state_dict(ref.state_dict())
+    assert opt.param_groups[0]["master_weights"] is True
+    st = opt.state[p]
+    assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.float32
+    torch.testing.assert_close(st["master_param"], p.detach().float())
+    torch.testing.assert_close(st["exp_avg"], ref.state[p]["exp_avg"].float())
+
+
+def test_adam_refuses_amsgrad_added_or_loaded_later():
+    from cupylab.torch import optim as O
+
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    opt = O.Adam([a], lr=1e-3)
+    with pytest.raises(ValueError, match="amsgrad is not supported"):
+        opt.add_param_group({"params": [b], "amsgrad": True})
+    assert len(opt.param_groups) == 1  # refused before it joined
+    sd = torch.optim.Adam([a], lr=1e-3, amsgrad=True).state_dict()
+    with pytest.raises(ValueError, match="amsgrad is not supported"):
+        opt.load_state_dict(sd)
+    assert not opt.param_groups[0]["amsgrad"]
+
+
+def test_adam_warns_when_a_parameter_joins_a_counted_group(monkeypatch):
+    import contextlib
+
+    from cupylab import _launch, optim as _optim
+    from cupylab.torch import optim as O
+
+    class Plan:
+        device = 0
+
+    monkeypatch.setattr(O.F, "_validate", lambda *a, **k: (Plan(), 0))
+    monkeypatch.setattr(O.P, "ready", lambda plan, s: None)
+    monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0)
+    monkeypatch.setattr(_optim, "adam_launch", lambda *a, **k: None)
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    opt = O.Adam([a, b], lr=1e-3)
+    a.grad = torch.ones(3)
+    opt.step()
+    opt.step()
+    b.grad = torch.ones(2)
+    with pytest.warns(UserWarning, match="first gradient at step 3"):
+        opt.step()

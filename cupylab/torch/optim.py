@@ -7,11 +7,15 @@ torch's optimizers and back. :class:`Lion` is a plain ``torch.optim.Optimizer``.
 Differences from torch
 ----------------------
 * One step counter per param group (every parameter of a group shares it; torch keeps one
-  per parameter, always equal in ordinary training). ``state_dict()`` writes one copy per
-  parameter; loading a state whose steps differ inside a group raises ``ValueError``.
-* ``amsgrad`` is not supported (``ValueError``).
+  per parameter, equal while every parameter gets a gradient from the first step on).
+  ``state_dict()`` writes one copy per parameter; loading a state whose steps differ inside a
+  group raises ``ValueError``. A parameter whose first gradient arrives later joins the
+  group's count, so Adam's bias correction of its first updates differs from torch's (a
+  ``UserWarning`` says so); give such parameters their own group to match torch.
+* ``amsgrad`` is not supported (``ValueError``, also for groups added or loaded later).
 * ``master_weights=True`` keeps float32 master copies (and float32 states) for bfloat16 /
-  float16 parameters (state key ``"master_param"``).
+  float16 parameters (state key ``"master_param"``); loading a state saved without them (a
+  torch optimizer's) keeps the setting and makes the master copies from the parameters.
 * ``capturable=True`` keeps the step on the GPU: a whole training step can be captured in a
   CUDA graph once one eager step has built the launch tables. ``lr`` may be a one-element
   float32 CUDA tensor.
@@ -26,6 +30,7 @@ of params and grads (to detect reallocated gradients), then one launch per dtype
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 
@@ -62,6 +67,8 @@ class _Fused:
     _step_supports_amp_scaling = True
     _cl_state_keys: tuple = ()
     _cl_name = "optim"
+    _cl_step_matters = False  # the update depends on the step count (bias correction)
+    _cl_late_warned = False
 
     def _cl_setup(self, master_weights):
         self._cl_plans = {}
@@ -140,8 +147,16 @@ class _Fused:
         for p, g in zip(params, grads):
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        late = self._cl_step_matters and any(not self.state.get(p) for p in params)
         lists, names, writes = self._cl_lists(group, params, grads)
-        self._cl_steps.pop(gi, None)  # new states join the group's step counter
+        st = self._cl_steps.pop(gi, None)  # new states join the group's step counter
+        if late and st is not None and not self._cl_late_warned and float(st) > 0:
+            self._cl_late_warned = True
+            warnings.warn(f"cupylab.torch.optim.{type(self).__name__}: a parameter of group "
+                          f"{gi} gets its first gradient at step {int(float(st)) + 1}; it joins "
+                          "the group's step counter, so its bias correction differs from "
+                          "torch's per-parameter one (put such parameters in their own group "
+                          "to match torch)", UserWarning, stacklevel=3)
         plan, s = F._validate(f"{type(self).__name__}.step", names, lists, writes,
                               (1,), None, ())
         self._cl_plans[gi] = (kp, kg, plan)
@@ -173,6 +188,8 @@ class _Fused:
         super().load_state_dict(state_dict)
         self._cl_plans = {}
         self._cl_steps = {}
+        for g in self.param_groups:  # a torch optimizer's groups have no master_weights key
+            g.setdefault("master_weights", self.defaults["master_weights"])
         ids = [p for g in self.param_groups for p in g["params"]]
         for idx, sv in saved.items():
             if not isinstance(idx, int) or idx >= len(ids):
@@ -184,6 +201,14 @@ class _Fused:
                     v = sv.get(k)
                     if isinstance(v, torch.Tensor):
                         st[k] = v.to(device=p.device, dtype=torch.float32).clone()
+        for g in self.param_groups:  # master groups loaded from a state without master copies
+            for p in g["params"]:
+                st = self.state.get(p)
+                if st and self._cl_master(g, p) and "master_param" not in st:
+                    for k in self._cl_state_keys:
+                        if isinstance(st.get(k), torch.Tensor):
+                            st[k] = st[k].to(torch.float32)
+                    st["master_param"] = p.detach().float().clone()
 
     def state_dict(self):
         sd = super().state_dict()
@@ -194,11 +219,21 @@ class _Fused:
 
 class _AdamBase(_Fused):
     _cl_state_keys = ("exp_avg", "exp_avg_sq")
+    _cl_step_matters = True
 
-    def _cl_check(self):
-        for g in self.param_groups:
+    def _cl_check(self, groups=None):
+        for g in self.param_groups if groups is None else groups:
             if g.get("amsgrad"):
                 raise ValueError("cupylab.torch.optim: amsgrad is not supported")
+
+    def add_param_group(self, param_group):
+        if isinstance(param_group, dict):  # refused before it joins (torch checks the rest)
+            self._cl_check([param_group])
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict):
+        self._cl_check(state_dict.get("param_groups", ()))  # before anything is loaded
+        super().load_state_dict(state_dict)
 
     def _cl_lists(self, group, params, grads):
         st = self.state
