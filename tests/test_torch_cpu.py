@@ -776,3 +776,16 @@ def test_adam_warns_when_a_parameter_joins_a_counted_group(monkeypatch):
     b.grad = torch.ones(2)
     with pytest.warns(UserWarning, match="first gradient at step 3"):
         opt.step()
+
+
+@pytest.mark.parametrize("name", ["Adam", "SGD", "Lion"])
+def test_master_weights_group_mixing_dtypes_is_refused_clearly(name):
+    from cupylab.torch import optim as O  # no launch: the refusal comes first
+
+    a = torch.nn.Parameter(torch.randn(3))
+    b = torch.nn.Parameter(torch.randn(3).to(torch.bfloat16))
+    kw = dict(lr=1e-3, momentum=0.9) if name == "SGD" else dict(lr=1e-3)
+    opt = getattr(O, name)([a, b], master_weights=True, **kw)
+    a.grad, b.grad = torch.ones(3), torch.ones(3).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="float32 and 16-bit params in one group"):
+        opt.step()

@@ -60,6 +60,15 @@ def _same_layout(params, grads, kp, kg):
     return True
 
 
+def _check_master(masters):
+    """Whether a group's params have master copies: all or none (TypeError for a mix)."""
+    anymaster = any(w is not None for w in masters)
+    if anymaster and any(w is None for w in masters):
+        raise TypeError("cupylab.torch.optim: master_weights with float32 and 16-bit params "
+                        "in one group; put them in separate param groups")
+    return anymaster
+
+
 class _Fused:
     """Shared machinery: per group a cached launch plan keyed on the data pointers of the
     params and grads."""
@@ -238,7 +247,6 @@ class _AdamBase(_Fused):
     def _cl_lists(self, group, params, grads):
         st = self.state
         P, G, M, V, W = [], [], [], [], []
-        anymaster = False
         for p, g in zip(params, grads):
             s = st[p]
             if "exp_avg" not in s:
@@ -255,10 +263,7 @@ class _AdamBase(_Fused):
             V.append(s["exp_avg_sq"])
             mp = s.get("master_param")
             W.append(mp)
-            anymaster |= mp is not None
-        if anymaster and any(w is None for w in W):
-            raise TypeError("cupylab.torch.optim: master_weights with float32 and 16-bit params "
-                            "in one group; put them in separate param groups")
+        anymaster = _check_master(W)
         return ([P, G, M, V, W if anymaster else None],
                 ["params", "grads", "exp_avgs", "exp_avg_sqs", "master_params"],
                 0b1101 | (0b10000 if anymaster else 0))
@@ -363,7 +368,7 @@ class SGD(_Fused, torch.optim.SGD):
                              "group have momentum buffers and some do not; step them in "
                              "separate groups")
         self._cl_first_pending = damp and bool(fresh) and all(fresh)
-        anymaster = any(w is not None for w in W)
+        anymaster = _check_master(W)
         return ([P, G, B if mom else None, W if anymaster else None],
                 ["params", "grads", "momentum_buffers", "master_params"],
                 0b1 | (0b100 if mom else 0) | (0b1000 if anymaster else 0))
@@ -434,7 +439,7 @@ class Lion(_Fused, torch.optim.Optimizer):
             G.append(g.detach())
             M.append(s["exp_avg"])
             W.append(s.get("master_param"))
-        anymaster = any(w is not None for w in W)
+        anymaster = _check_master(W)
         return ([P, G, M, W if anymaster else None],
                 ["params", "grads", "exp_avgs", "master_params"],
                 0b101 | (0b1000 if anymaster else 0))
