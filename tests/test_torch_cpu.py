@@ -551,6 +551,10 @@ def test_opcheck_schema_and_autograd_registration(cpu_kernels):
     (lambda x: F.layer_norm(x, 5, None, torch.ones(5, 1)), ValueError, ["layer_norm", "bias"]),
     (lambda x: F.add_rms_norm(x, x[:1], None), ValueError, ["add_rms_norm", "residual"]),
     (lambda x: F.add_rms_norm_(x, x, torch.ones(3)), ValueError, ["add_rms_norm_", "weight"]),
+    (lambda x: F.cross_entropy(x, torch.tensor([0, 1]), torch.ones(5)), ValueError,
+     ["cross_entropy", "weight"]),  # torch's third positional parameter is weight
+    (lambda x: F.cross_entropy(x, torch.tensor([0, 1]), size_average=False), ValueError,
+     ["cross_entropy", "size_average", "reduction"]),
     (lambda x: F.cross_entropy(x, torch.tensor([0, 1]), weight=torch.ones(5)), ValueError,
      ["cross_entropy", "weight"]),
     (lambda x: F.cross_entropy(x, torch.tensor([0, 1, 2])), ValueError,

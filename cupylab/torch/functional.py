@@ -389,10 +389,10 @@ def add_rms_norm_(x, residual, weight, eps=1e-6):
 
 
 # -- cross-entropy ----------------------------------------------------------------------------
-def cross_entropy(input, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
-                  weight=None):
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                  reduction="mean", label_smoothing=0.0):
     """Softmax cross-entropy against class indices, like ``torch.nn.functional.cross_entropy``
-    (no class weights).
+    (same parameters in the same order; no class weights).
 
     The forward pass writes the gradient of the loss with respect to ``input`` while it reads
     the logits (cupylab's ``cross_entropy(..., return_grad=True)``) when ``input`` requires
@@ -408,13 +408,15 @@ def cross_entropy(input, target, ignore_index=-100, reduction="mean", label_smoo
     target : torch.Tensor
         Class indices, int64 or int32: shape ``()``, ``(N,)`` or ``(N, d1, ...)``. Indices out
         of range (other than ``ignore_index``) give NaN (not checked on the host).
+    weight : None
+        Class weights are not supported; anything but None raises ``ValueError``.
+    size_average, reduce : None
+        torch's deprecated forms of ``reduction``; anything but None raises ``ValueError``.
     ignore_index : int
         Rows with this target count neither in the loss nor in the mean's denominator.
     reduction : {"mean", "sum", "none"}
         ``"mean"`` over no counted row is NaN, as torch.
     label_smoothing : float in [0, 1]
-    weight : None
-        Class weights are not supported; anything but None raises ``ValueError``.
 
     Returns
     -------
@@ -429,13 +431,16 @@ def cross_entropy(input, target, ignore_index=-100, reduction="mean", label_smoo
         Non-tensors, a floating-point ``target`` (class probabilities are not supported),
         ``ignore_index`` not an int, unsupported dtypes, CPU tensors.
     ValueError
-        ``weight`` given, an unknown ``reduction``, ``label_smoothing`` outside [0, 1],
-        ``target`` of the wrong shape, a 0-d ``input``.
+        ``weight``, ``size_average`` or ``reduce`` given, an unknown ``reduction``,
+        ``label_smoothing`` outside [0, 1], ``target`` of the wrong shape, a 0-d ``input``.
     """
     fn = "cross_entropy"
     if weight is not None:
         raise ValueError(f"{_name(fn)}: weight (class weights) is not supported; use "
                          "torch.nn.functional.cross_entropy for weighted losses")
+    if size_average is not None or reduce is not None:
+        raise ValueError(f"{_name(fn)}: size_average and reduce (deprecated in torch) are not "
+                         "supported; use reduction")
     _tensor(fn, "input", input)
     _tensor(fn, "target", target)
     if reduction not in _REDUCTIONS:
