@@ -136,6 +136,8 @@ def numpy_rows(monkeypatch):
         b = [np.asarray(x, np.float64) for x in blocks]
         if fn.__name__ == "softmax":
             r = _np_softmax(b[0], axis)
+        elif fn.__name__ == "softmax_backward":
+            r = b[0] * (b[1] - (b[0] * b[1]).sum(axis, keepdims=True))
         elif fn.__name__ == "rms_norm":
             w = np.asarray(kwargs.get("weight", 1.0), np.float64)
             r = b[0] / np.sqrt((b[0] ** 2).mean(-1, keepdims=True) + kwargs["eps"]) * w
@@ -158,6 +160,22 @@ def test_rowwise_rechunks_the_row_axis_and_keeps_the_others(axis, numpy_rows):
     np.testing.assert_allclose(np.asarray(s.compute(scheduler="sync")), _np_softmax(a, axis),
                                rtol=1e-5)
     assert all(shape[whole] == a.shape[whole] for blocks in numpy_rows for shape in blocks)
+
+
+@pytest.mark.parametrize("ychunks,dychunks", [
+    ((5, 4), (7, 9)),  # three row blocks against two
+    (((5, 8), (9,)), ((8, 5), (9,))),  # as many blocks, of other sizes
+    (None, (7, 3)),  # y a plain array beside a Dask dy
+])
+def test_softmax_backward_aligns_the_rows_of_y_and_dy(ychunks, dychunks, numpy_rows):
+    rng = np.random.default_rng(9)
+    y = _np_softmax(rng.standard_normal((13, 9)), -1)
+    dy = rng.standard_normal((13, 9))
+    yy = y.view(Chunk) if ychunks is None else chunked(y, ychunks)
+    dx = cupylab.softmax_backward(yy, chunked(dy, dychunks)).compute(scheduler="sync")
+    np.testing.assert_allclose(np.asarray(dx), y * (dy - (y * dy).sum(-1, keepdims=True)),
+                               rtol=1e-12)
+    assert all(blocks[0] == blocks[1] for blocks in numpy_rows)  # the same rows in each task
 
 
 def test_rms_norm_sends_the_weight_to_every_chunk(numpy_rows):
