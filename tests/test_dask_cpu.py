@@ -204,6 +204,9 @@ def test_rowwise_refusals():
         cupylab.cross_entropy(x, chunked(np.zeros(8, np.int64), 4), return_grad=True)
     with pytest.raises(TypeError, match="softmax: out= is not supported"):
         cupylab.softmax(x, out=x)
+    with pytest.raises(ValueError, match=r"add_rms_norm: residual has shape \(6,\), "
+                                         r"expected \(8, 6\)"):
+        cupylab.add_rms_norm(x, chunked(np.ones(6, np.float32), 3), None)  # no broadcasting
     with pytest.raises(ValueError, match=r"softmax_backward: dy has shape \(8, 5\)"):
         cupylab.softmax_backward(x, chunked(np.ones((8, 5), np.float32), (4, 5)))
 

@@ -147,6 +147,11 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
                 raise TypeError(f"{opname}: x and residual must have one dtype (got "
                                 f"{getattr(x, 'dtype', None)} and "
                                 f"{getattr(residual, 'dtype', None)})")
+            if tuple(getattr(x, "shape", ())) != tuple(getattr(residual, "shape", ())):
+                # the eager op takes no broadcast residual: neither does its Dask form
+                raise ValueError(f"{opname}: residual has shape "
+                                 f"{tuple(getattr(residual, 'shape', ()))}, expected "
+                                 f"{tuple(getattr(x, 'shape', ()))}")
             from .elementwise import add  # noqa: PLC0415
 
             h = add(x, residual)
