@@ -379,65 +379,64 @@ def test_streaming_smem_only_where_the_occupancy_calculator_confirms_six_blocks(
         assert _launch._stream_smem == {0: want}  # computed once per device
 
 
+class _Devices:
+    """A fake current device (``cur[0]``) and CuPy's ``Device`` context manager over it."""
+
+    def __init__(self):
+        self.cur = [0]
+
+    def __call__(self, d):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            old, self.cur[0] = self.cur[0], d
+            try:
+                yield
+            finally:
+                self.cur[0] = old
+        return scope()
+
+
 def test_allocate_makes_the_array_on_the_given_device(monkeypatch):
     # CuPy allocates on the current device; the row-wise and cross-entropy paths allocate
     # their outputs before making the inputs' device current, so allocate must switch itself
-    import contextlib
     import types
 
     from cupylab import _elementwise_core as core, _runtime
 
-    cur = [0]
+    dev = _Devices()
     made = []
-
-    @contextlib.contextmanager
-    def device(d):
-        old, cur[0] = cur[0], d
-        try:
-            yield
-        finally:
-            cur[0] = old
-
     fake = types.SimpleNamespace(
-        cuda=types.SimpleNamespace(Device=device),
-        empty=lambda shape, dtype: made.append((cur[0], shape, np.dtype(dtype))) or made[-1])
+        cuda=types.SimpleNamespace(Device=dev),
+        empty=lambda shape, dtype: made.append((dev.cur[0], shape, np.dtype(dtype))))
     monkeypatch.setattr(_runtime, "cupy", lambda: fake)
-    monkeypatch.setattr(_runtime, "current_device", lambda: cur[0])
+    monkeypatch.setattr(_runtime, "current_device", lambda: dev.cur[0])
     core.allocate("cupy", (3, 4), F32, 1)
     core.allocate("jax", (5,), F32, 0)
     assert made == [(1, (3, 4), np.dtype("float32")), (0, (5,), np.dtype("float32"))]
-    assert cur == [0]  # the caller's current device is left as it was
+    assert dev.cur == [0]  # the caller's current device is left as it was
 
 
 def test_wait_for_makes_its_event_on_the_given_device(monkeypatch):
     # the per-thread event of device d must be created on d even when another device is
     # current (callers order JAX/Numba outputs after leaving the launch's device scope)
-    import contextlib
     import types
 
     from cupylab import _launch, _runtime
 
-    cur = [0]
+    dev = _Devices()
     log = []
-
-    @contextlib.contextmanager
-    def device(d):
-        old, cur[0] = cur[0], d
-        try:
-            yield
-        finally:
-            cur[0] = old
-
     rt = types.SimpleNamespace(
-        eventDisableTiming=2, getDevice=lambda: cur[0],
-        eventCreateWithFlags=lambda f: log.append(("create", cur[0])) or f"ev{cur[0]}",
+        eventDisableTiming=2, getDevice=lambda: dev.cur[0],
+        eventCreateWithFlags=lambda f: log.append(("create", dev.cur[0])) or f"ev{dev.cur[0]}",
         eventRecord=lambda ev, s: log.append(("record", ev, s)),
         streamWaitEvent=lambda s, ev, f: log.append(("wait", s, ev)))
     monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(
-        cuda=types.SimpleNamespace(runtime=rt, Device=device)))
+        cuda=types.SimpleNamespace(runtime=rt, Device=dev)))
     monkeypatch.setattr(_launch._tls_events, "d", {}, raising=False)
     _launch.wait_for(0x10, 0x20, 1)
     _launch.wait_for(0x11, 0x21, 1)  # the event is made once per thread and device
     assert log == [("create", 1), ("record", "ev1", 0x20), ("wait", 0x10, "ev1"),
                    ("record", "ev1", 0x21), ("wait", 0x11, "ev1")]
-    assert cur == [0]
+    assert dev.cur == [0]
