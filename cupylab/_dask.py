@@ -180,19 +180,15 @@ def rowwise(name, fn, arrays, axis, kwargs, out, stream, refuse=()):
         raise ValueError(f"{name}: axis {axis!r} is out of range for {nd} dimensions")
     axis %= nd
     ops = []
-    ref = None
     for pname, a in arrays:
-        dask_in = is_dask(a)
         a = _as_dask(name, pname, a)
         if a.shape != lead.shape:
             raise ValueError(f"{name}: {pname} has shape {a.shape}, expected {lead.shape}")
-        a = _whole_rows(name, pname, a, axis)
-        if ref is None and dask_in:
-            ref = a
-        ops.append(a)
+        ops.append(_whole_rows(name, pname, a, axis))
     # map_blocks pairs blocks by position: give every operand the chunks of the first Dask one
-    # (already whole along the row axis), so that the rows of y and dy meet in one task
-    ops = [a if a.chunks == ref.chunks else a.rechunk(ref.chunks) for a in ops]
+    # (lead, made whole along the row axis), so that the rows of y and dy meet in one task
+    ref = ops[next(i for i, (_, a) in enumerate(arrays) if a is lead)].chunks
+    ops = [a if a.chunks == ref else a.rechunk(ref) for a in ops]
     meta = meta_from_array(lead._meta, ndim=nd, dtype=lead.dtype)
     call = functools.partial(_rows_call, fn, axis, kwargs)
     return da.map_blocks(call, *ops, dtype=lead.dtype, meta=meta)

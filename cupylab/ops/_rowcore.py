@@ -41,16 +41,16 @@ FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
               (128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
-#: 16-bit layer_norm_backward: one vector a thread up to 1,024 slots (8,192 elements). Two
+#: 16-bit norm backwards: one vector a thread (8 columns) up to 512 slots (4,096 elements). Two
 #: 16-bit vectors make 16 columns a thread whose weight- and bias-gradient sums spill under the
-#: 64-register cap (scripts/ptxas_report.py); one vector does not. Longer rows keep two.
-LN16_BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 64, 1, 1), (128, 128, 1, 1),
-                   (256, 256, 1, 1), (512, 512, 1, 1), (1024, 1024, 1, 1), (1024, 1024, 2, 1))
-#: 16-bit rms_norm_backward (one gradient sum a column): one vector a thread up to 512 slots
-#: (4,096 elements); at 8,192 two vectors on 512 threads measured faster than one on 1,024
-#: (H200: bf16 8192x8192 142 against 180 us, docs/perf.md)
-RMS16_BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 64, 1, 1), (128, 128, 1, 1),
-                    (256, 256, 1, 1), (512, 512, 1, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
+#: 64-register cap (scripts/ptxas_report.py); one vector does not.
+_NV1_BWD = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 64, 1, 1), (128, 128, 1, 1),
+            (256, 256, 1, 1), (512, 512, 1, 1))
+#: layer_norm_backward keeps one vector up to 1,024 slots (8,192 elements); longer rows two
+LN16_BWD_LADDER = _NV1_BWD + ((1024, 1024, 1, 1), (1024, 1024, 2, 1))
+#: rms_norm_backward (one gradient sum a column): at 8,192 two vectors on 512 threads measured
+#: faster than one on 1,024 (H200: bf16 8192x8192 142 against 180 us, docs/perf.md)
+RMS16_BWD_LADDER = _NV1_BWD + ((512, 512, 2, 1), (1024, 1024, 2, 1))
 GENERIC_THREADS = 512  # GT in rowwise.cu
 COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_W columns each
 #: ops that use the persistent cp.async pipeline (row_pipe_kernel) for the non-cluster
