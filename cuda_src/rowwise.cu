@@ -482,12 +482,18 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int e0 = (sbase + j * TPR) * V - head;
-                A wv[V], bv[V], f[V];
+                A wv[V], f[V];
                 load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
-                load_wslot<T, V>(bv, p, p.b, e0, cols, A(0));
                 unpack<T, V>(a[j], f);
+                if constexpr (OP == OP_LN) {  // the rms norms have no bias
+                    A bv[V];
+                    load_wslot<T, V>(bv, p, p.b, e0, cols, A(0));
 #pragma unroll
-                for (int k = 0; k < V; ++k) f[k] = (f[k] - mean) * rstd * wv[k] + bv[k];
+                    for (int k = 0; k < V; ++k) f[k] = (f[k] - mean) * rstd * wv[k] + bv[k];
+                } else {
+#pragma unroll
+                    for (int k = 0; k < V; ++k) f[k] = f[k] * rstd * wv[k];
+                }
                 pack<T, V>(f, a[j]);
                 store_slot<T, V>(yal, a[j], sbase + j * TPR, e0, cols, active);
                 asm volatile("" ::: "memory");
