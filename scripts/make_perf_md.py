@@ -9,7 +9,8 @@ Every table in docs/perf.md sits between two marker comments::
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
 (``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
 ``mixed.json``, ``rowwise_*.json``, the before/after pairs ``groups_before.json`` /
-``groups_after.json`` and ``bwd16_before.json`` / ``bwd16_after.json``), the Dask example's
+``groups_after.json``, ``bwd16_before.json`` / ``bwd16_after.json`` and
+``fwdlean_before.json`` / ``fwdlean_after.json``), the Dask example's
 ``dask.json``, the training example's ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``,
 the multi-tensor bench's ``multi_tensor.json`` and the command file, and leaves every other
 line (the prose) alone. The per-case tables are formatted by :mod:`cupylab.bench._report`, the
@@ -61,6 +62,8 @@ FILES = {  # stored file -> what it holds
     "groups_before.json": "the same cases in the same session, before those classes (1913d9a)",
     "bwd16_after.json": "row-wise backwards with the 16-bit pipeline and one-vector classes",
     "bwd16_before.json": "the same cases in the same session, before them (719585f)",
+    "fwdlean_after.json": "16-bit row-wise forwards, the rms norms without a bias (aa6062e)",
+    "fwdlean_before.json": "the same cases in the same session, before it (2f72e91)",
 }
 
 
@@ -335,6 +338,7 @@ TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "dask": t_dask, "train": _train(TRAIN),
           "rowwise-groups-ab": _ab("groups_before.json", "groups_after.json"),
           "rowwise-bwd16-ab": _ab("bwd16_before.json", "bwd16_after.json"),
+          "rowwise-fwdlean-ab": _ab("fwdlean_before.json", "fwdlean_after.json"),
           "train-b64": _train(TRAIN_B64), "multi-tensor": t_mt,
           **{f"rowwise-{x}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 

@@ -360,6 +360,28 @@ def test_cross_entropy_vs_torch():
     torch.testing.assert_close(g, xr.grad, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("layout", ["contig", "offset"])
+@pytest.mark.parametrize("wshift", [0, 1, 8])
+@pytest.mark.parametrize("rows,cols", [(3000, 1000), (700, 4096), (1500, 8192), (20000, 33)])
+def test_rms_weight_alignment(rows, cols, dt, layout, wshift):
+    """The 16-bit rms norms load a row's weight slots ahead when a slot is whole and its
+    16 bytes aligned, and one element at a time otherwise: weights that start 1 or 8
+    elements into an allocation, rows whose heads differ (offset views), persistent grids."""
+    rng = np.random.default_rng(cols + wshift)
+    h, x = make(rng, "cupy", rows, cols, dt, layout)
+    hw = (rng.standard_normal(cols + wshift) + 1).astype(np_dtype(dt))
+    w = cupy_from_host(hw)[wshift:]
+    hw = hw[wshift:]
+    check(cupylab.rms_norm(x, w, eps=1e-6), R.ROWWISE_REFERENCES["rms_norm"](h, hw, 1e-6)[0],
+          dt, 2, "rms_norm")
+    hr = rng.standard_normal((rows, cols)).astype(np_dtype(dt))
+    hsum = (h.astype(np.float64) + hr.astype(np.float64)).astype(np_dtype(dt))
+    y, hh = cupylab.add_rms_norm(x, cupy_from_host(hr), w, eps=1e-6)
+    check(hh, hsum, dt, 0.01, "add h")
+    check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, hw, 1e-6)[0], dt, 2, "add y")
+
+
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 @pytest.mark.parametrize("layout", ["contig", "offset"])
 @pytest.mark.parametrize("rows,cols", [(20000, 33), (3000, 1000), (1500, 8192), (70001, 5)])
