@@ -104,7 +104,7 @@ def elementwise(name, promo_op, fn, operands, names, out, dtype, casting, stream
             continue
         elif hasattr(a, "shape") and hasattr(a, "dtype"):
             # a GPU array beside Dask arrays: one chunk, aligned (and split) by Dask
-            arr = da.from_array(a, chunks=tuple(a.shape) or (), asarray=False,
+            arr = da.from_array(a, chunks=tuple(a.shape) or (), asarray=False, name=False,
                                 meta=meta_from_array(a, ndim=len(a.shape)))
         else:
             raise TypeError(f"{name}: {nm} must be a Dask array, a GPU array or a scalar beside "
@@ -252,7 +252,9 @@ def _as_dask(name, pname, a):
     import dask.array as da  # noqa: PLC0415
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
-    return da.from_array(a, chunks=tuple(a.shape), asarray=False,
+    # name=False: a random key; Dask's default hashes the data, which copies a CuPy array to
+    # the host
+    return da.from_array(a, chunks=tuple(a.shape), asarray=False, name=False,
                          meta=meta_from_array(a, ndim=len(a.shape)))
 
 

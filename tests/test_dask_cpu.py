@@ -178,6 +178,29 @@ def test_softmax_backward_aligns_the_rows_of_y_and_dy(ychunks, dychunks, numpy_r
     assert all(blocks[0] == blocks[1] for blocks in numpy_rows)  # the same rows in each task
 
 
+class Unhashed(Chunk):
+    """A GPU array stand-in that must not be hashed (a CuPy array's hash copies it to the host)."""
+
+
+def test_gpu_arrays_beside_dask_arrays_are_not_hashed(numpy_chunks, numpy_rows, monkeypatch):
+    import dask.array.core as core
+
+    tokenize = core.tokenize
+
+    def no_gpu_hash(*args, **kwargs):
+        assert not any(isinstance(a, Unhashed) for a in args), "a GPU array was hashed"
+        return tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(core, "tokenize", no_gpu_hash)
+    a = np.random.default_rng(5).standard_normal((6, 10))
+    w = np.linspace(0.5, 2, 10).view(Unhashed)
+    got = cupylab.fused_add_mul(chunked(a, (2, 4)), w, 0.5).compute(scheduler="sync")
+    np.testing.assert_allclose(np.asarray(got), (a + np.asarray(w)) * 0.5)
+    y = cupylab.rms_norm(chunked(a, (3, 10)), w, eps=1e-6).compute(scheduler="sync")
+    ref = a / np.sqrt((a ** 2).mean(-1, keepdims=True) + 1e-6) * np.asarray(w)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-12)
+
+
 def test_rms_norm_sends_the_weight_to_every_chunk(numpy_rows):
     a = np.random.default_rng(4).standard_normal((30, 24))
     w = np.linspace(0.5, 2, 24)
