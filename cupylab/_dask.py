@@ -11,14 +11,21 @@ dtype comes from the same promotion rule the call would use on the chunks themse
 for CuPy chunks), and its ``meta`` is an empty array of the chunks' type, so Dask knows the
 chunk type without computing anything.
 
+When the call is made, the eager operator's argument checks that need no GPU run as well,
+through the eager operator's own helpers, on what the Dask arrays say without computing (their
+shape and dtype): dtypes, shapes, ``axis``, ``eps``, weights, statistics, targets, ``casting``,
+``dtype=``, Python ints that do not fit. Only what depends on the chunks themselves (host or
+GPU memory, layout, device) is left to each chunk's call.
+
 ``import cupylab`` does not import Dask: this module imports it when a Dask array is seen.
 """
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
-from . import _dtypes, _promotion
+from . import _dtypes
 
 __all__ = ["is_dask", "any_dask", "elementwise"]
 
@@ -41,8 +48,10 @@ def _is_scalar(v):
     return isinstance(v, numbers.Number) and getattr(v, "shape", ()) == ()
 
 
-def _rule(meta):
-    return "torch" if (type(meta).__module__ or "").split(".", 1)[0] == "torch" else "numpy"
+def _kind(meta):
+    """The chunks' framework kind for the eager promotion rule: ``"torch"`` for torch chunks,
+    else ``"cupy"`` (NumPy's rule)."""
+    return "torch" if (type(meta).__module__ or "").split(".", 1)[0] == "torch" else "cupy"
 
 
 def _refuse_out_stream(name, out, stream):
@@ -52,6 +61,53 @@ def _refuse_out_stream(name, out, stream):
     if stream is not None:
         raise TypeError(f"{name}: stream= is not supported with Dask arrays: each chunk runs on "
                         "its worker's current stream")
+
+
+def _view(name, pname, a, dask_ok=True):
+    """What the eager operators' checks read of ``a`` (a Dask array, or a GPU array beside
+    Dask arrays), known without computing, as a :class:`cupylab._arrays.View` with no
+    address: shape, dtype, and strides in elements (the GPU array's own; C order for a Dask
+    array, whose chunks' layout is known only at compute time, where the chunk call checks
+    it).
+
+    Raises
+    ------
+    TypeError
+        ``a`` is not an array (no ``shape`` and ``dtype``; without ``dask_ok``, where only a
+        GPU array is taken, the eager operator's message), or cupylab does not know its dtype.
+    """
+    from ._arrays import View, _host_error  # noqa: PLC0415
+    from ._elementwise_core import c_strides  # noqa: PLC0415
+
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        if not dask_ok:
+            raise _host_error(f"{name}: {pname}", a)
+        raise TypeError(f"{name}: {pname} must be a Dask array or a GPU array (got "
+                        f"{type(a).__module__}.{type(a).__qualname__})")
+    try:
+        dt = _dtypes.resolve(a.dtype)
+    except TypeError:
+        raise TypeError(f"{name}: {pname} has unsupported dtype {a.dtype}") from None
+    shape = tuple(a.shape)
+    strides = c_strides(shape)
+    if not is_dask(a):
+        if callable(getattr(a, "stride", None)):  # torch: in elements
+            strides = tuple(a.stride())
+        elif isinstance(getattr(a, "strides", None), tuple):  # NumPy, CuPy, Numba: in bytes
+            strides = tuple(b // dt.itemsize for b in a.strides)
+    return View(0, shape, strides, dt, None, False, None, "dask", a)
+
+
+def _not_0d(name, pname, v):
+    if v.ndim == 0:
+        raise ValueError(f"{name}: {pname} must have at least one dimension (got a 0-d array)")
+
+
+def _vectors(name, kwargs):
+    """The weight and bias among ``kwargs`` (GPU arrays, or None: left out) as views, for
+    :func:`cupylab.ops._rowcore.check_vectors`."""
+    return {k: _view(name, k, kwargs[k], dask_ok=False)
+            for k in ("weight", "bias") if kwargs.get(k) is not None}
 
 
 def _chunk_call(fn, dtype, casting, *blocks):
@@ -81,47 +137,44 @@ def elementwise(name, promo_op, fn, operands, names, out, dtype, casting, stream
     TypeError
         ``out=`` or ``stream=`` given (a Dask array is a lazy graph: use the returned array;
         each chunk runs on its worker's current stream), an operand that is neither a Dask
-        array, a GPU array nor a scalar, or a dtype combination the promotion rule refuses.
+        array, a GPU array nor a scalar, an unknown ``dtype``, or a dtype combination the
+        promotion rule refuses.
     ValueError
-        Shapes that do not broadcast.
+        Shapes that do not broadcast, an unknown ``casting``.
+    OverflowError
+        A Python int that does not fit the computation dtype.
     """
     _refuse_out_stream(name, out, stream)
     import dask.array as da  # noqa: PLC0415 - only when a Dask array is seen
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
-    from ._elementwise_core import broadcast_shapes, _np_dtype_for  # noqa: PLC0415
+    from ._elementwise_core import _np_dtype_for, _validate_promote  # noqa: PLC0415
+    from .ops.elementwise import _promoter, check_casting_dtype  # noqa: PLC0415
 
+    dt = check_casting_dtype(name, casting, dtype)
     lead = next(a for a in operands if is_dask(a))
-    args, keys, shapes = [], [], []
+    args, views = [], []
     for i, (a, nm) in enumerate(zip(operands, names)):
-        if is_dask(a):
-            arr = a
-        elif _is_scalar(a):
+        if _is_scalar(a):
             if allow is not None and not allow[i]:
                 raise TypeError(f"{name}: {nm} must be a GPU array (got a scalar {a!r})")
             args += [a, None]
-            keys.append(_promotion.operand_key(a, None))
+            views.append(None)
             continue
-        elif hasattr(a, "shape") and hasattr(a, "dtype"):
+        if not is_dask(a):
+            if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+                raise TypeError(f"{name}: {nm} must be a Dask array, a GPU array or a scalar "
+                                f"beside Dask arrays (got {type(a).__module__}."
+                                f"{type(a).__qualname__})")
             # a GPU array beside Dask arrays: one chunk, aligned (and split) by Dask
-            arr = da.from_array(a, chunks=tuple(a.shape) or (), asarray=False, name=False,
-                                meta=meta_from_array(a, ndim=len(a.shape)))
-        else:
-            raise TypeError(f"{name}: {nm} must be a Dask array, a GPU array or a scalar beside "
-                            f"Dask arrays (got {type(a).__module__}.{type(a).__qualname__})")
-        try:
-            dt = _dtypes.resolve(arr.dtype)
-        except TypeError:
-            raise TypeError(f"{name}: {nm} has unsupported dtype {arr.dtype}") from None
-        keys.append(("a", dt.name, arr.ndim == 0))
-        shapes.append(tuple(arr.shape))
-        args += [arr, tuple(range(arr.ndim))[::-1]]
-    shape = broadcast_shapes(shapes, name)
-    dt = None if dtype is None else _dtypes.resolve(dtype)
-    try:
-        _, res = _promotion.resolve(_rule(lead._meta), promo_op, tuple(keys), dt, None, casting)
-    except TypeError as e:
-        raise TypeError(f"{name}: {e}") from None
+            a = da.from_array(a, chunks=tuple(a.shape) or (), asarray=False, name=False,
+                              meta=meta_from_array(a, ndim=len(a.shape)))
+        views.append(_view(name, nm, a))
+        args += [a, tuple(range(a.ndim))[::-1]]
+    # the eager operator's checks: promotion (and casts), the scalars, broadcasting
+    _, _, shape, res = _validate_promote(name, operands, views, names,
+                                         _promoter(name, promo_op, dt, casting), None,
+                                         _kind(lead._meta), len(operands))
     npdt = _np_dtype_for(res)
     meta = meta_from_array(lead._meta, ndim=len(shape), dtype=npdt)
     return da.blockwise(functools.partial(_chunk_call, fn, dtype, casting),
@@ -154,13 +207,22 @@ def rowwise(name, fn, arrays, axis, kwargs, out, stream, refuse=()):
     that cannot be honoured on Dask arrays. Rows along ``axis`` are made whole (see
     :func:`_whole_rows`), the other axes keep their chunks, aligned by Dask.
 
+    The eager operator's checks run first: the first operand's dtype is a float one, the
+    others have its dtype and shape, ``axis`` is an int in range; with ``eps`` in ``kwargs``
+    (the norms) ``eps``, the weight and bias, and rows that have no element.
+
     Raises
     ------
     TypeError
         ``out=``, ``stream=`` or a refused option given; a keyword operand that is a Dask array
-        (weights are small: pass a GPU array); an operand that is not a Dask or GPU array.
+        (weights are small: pass a GPU array); an operand that is not a Dask or GPU array; a
+        dtype the eager operator refuses (not a float one, operands or weight and bias of
+        different dtypes, a weight of another dtype than x's or float32 with 16-bit x); an
+        axis that is not an int.
     ValueError
-        A split row axis with rechunking turned off; shapes that differ.
+        A split row axis with rechunking turned off; shapes that differ; a 0-d input, an axis
+        out of range; a negative ``eps``, a weight or bias that is not ``(n,)`` and
+        contiguous, rows of no element (the norms).
     """
     _refuse_out_stream(name, out, stream)
     for pname, value in refuse:
@@ -172,19 +234,22 @@ def rowwise(name, fn, arrays, axis, kwargs, out, stream, refuse=()):
     import dask.array as da  # noqa: PLC0415
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
+    from .ops import _rowcore as rc  # noqa: PLC0415
+    from .ops.rowwise import _axis  # noqa: PLC0415
+
+    (rname, rv), *others = [(pname, _view(name, pname, a)) for pname, a in arrays]
+    rc.check_float(name, rname, rv)
+    for pname, v in others:
+        rc.check_same(name, pname, v, rv, rname)
+    _not_0d(name, rname, rv)
+    axis = _axis(name, axis, rv.ndim)
+    if "eps" in kwargs:  # the norms, as rowwise._norm checks them
+        rc.check_eps(name, kwargs["eps"])
+        rc.check_vectors(name, _vectors(name, kwargs), rv)
+        rc.check_columns(name, rv.shape)
     lead = next(a for _, a in arrays if is_dask(a))
     nd = lead.ndim
-    if nd == 0:
-        raise ValueError(f"{name}: x must have at least one dimension (got a 0-d array)")
-    if not isinstance(axis, int) or isinstance(axis, bool) or not -nd <= axis < nd:
-        raise ValueError(f"{name}: axis {axis!r} is out of range for {nd} dimensions")
-    axis %= nd
-    ops = []
-    for pname, a in arrays:
-        a = _as_dask(name, pname, a)
-        if a.shape != lead.shape:
-            raise ValueError(f"{name}: {pname} has shape {a.shape}, expected {lead.shape}")
-        ops.append(_whole_rows(name, pname, a, axis))
+    ops = [_whole_rows(name, pname, _as_dask(a), axis) for pname, a in arrays]
     # map_blocks pairs blocks by position: give every operand the chunks of the first Dask one
     # (lead, made whole along the row axis), so that the rows of y and dy meet in one task
     ref = ops[next(i for i, (_, a) in enumerate(arrays) if a is lead)].chunks
@@ -206,7 +271,9 @@ def cross_entropy(fn, logits, target, ignore_index, label_smoothing, reduction, 
     the class axis made whole as in :func:`rowwise`, the target's row chunks aligned with the
     logits'), then Dask's own sum for ``"sum"``, and that sum divided by Dask's count of the
     rows not ignored for ``"mean"``. ``refuse``: ``(parameter, value)`` pairs that cannot be
-    honoured on Dask arrays (the gradient and logsumexp outputs).
+    honoured on Dask arrays (the gradient and logsumexp outputs). The eager operator's checks
+    of the arrays run first (logits of a float dtype, at least 1-D, with classes; target int64
+    or int32, of shape ``logits.shape[:-1]``); it has checked the other arguments.
     """
     name = "cross_entropy"
     _refuse_out_stream(name, None, stream)
@@ -215,13 +282,14 @@ def cross_entropy(fn, logits, target, ignore_index, label_smoothing, reduction, 
     import dask.array as da  # noqa: PLC0415
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
-    x, t = (_as_dask(name, p, a) for p, a in (("logits", logits), ("target", target)))
+    from .ops import _rowcore as rc  # noqa: PLC0415
+    from .ops.cross_entropy import check_arrays  # noqa: PLC0415
+
+    xv = _view(name, "logits", logits)
+    check_arrays(name, xv, _view(name, "target", target))
+    rc.check_columns(name, xv.shape, "logits has no classes")
+    x, t = _as_dask(logits), _as_dask(target)
     nd = x.ndim
-    if nd == 0:
-        raise ValueError(f"{name}: logits must have at least one dimension (got a 0-d array)")
-    if t.shape != x.shape[:-1]:
-        raise ValueError(f"{name}: target must have shape {x.shape[:-1]} (logits.shape[:-1]); "
-                         f"got {t.shape}")
     x = _whole_rows(name, "logits", x, nd - 1)
     t = t.rechunk(x.chunks[:-1])
     acc = x.dtype if x.dtype.itemsize == 8 else _np_float32()
@@ -242,13 +310,11 @@ def _ce_call(fn, ignore_index, label_smoothing, logits, target):
               reduction="none")
 
 
-def _as_dask(name, pname, a):
-    """``a`` as a Dask array: itself, or a one-chunk Dask array of a GPU array."""
+def _as_dask(a):
+    """``a`` (checked by :func:`_view`) as a Dask array: itself, or a one-chunk Dask array of
+    a GPU array."""
     if is_dask(a):
         return a
-    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-        raise TypeError(f"{name}: {pname} must be a Dask array or a GPU array (got "
-                        f"{type(a).__module__}.{type(a).__qualname__})")
     import dask.array as da  # noqa: PLC0415
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
@@ -270,7 +336,11 @@ def norm_backward(name, fn, dy, x, weight, stats, stream):
     the statistics' chunks aligned with the rows'), and the weight (and bias) gradients as
     Dask's float32 sum of every chunk's own, cast to the weight's dtype. The chunk's kernel
     runs once for ``dx`` and once more for the weight gradients (two tasks per chunk).
-    ``stats``: ``(name, array)`` pairs, the forward's statistics in ``fn``'s order."""
+    ``stats``: ``(name, array)`` pairs, the forward's statistics in ``fn``'s order. The eager
+    operator's checks run first (x of a float dtype, at least 1-D, with columns; dy of its
+    dtype and shape; the weight; the statistics given, of the accumulation dtype), and the
+    statistics must have the shape ``x.shape[:-1]`` (their chunks are aligned with the
+    rows'; the eager operator takes any shape of one value per row)."""
     _refuse_out_stream(name, None, stream)
     if is_dask(weight):
         raise TypeError(f"{name}: weight must be a GPU array (it is small: one copy goes to "
@@ -278,21 +348,26 @@ def norm_backward(name, fn, dy, x, weight, stats, stream):
     import dask.array as da  # noqa: PLC0415
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
-    dyd, xd = _as_dask(name, "dy", dy), _as_dask(name, "x", x)
-    nd = xd.ndim
-    if nd == 0:
-        raise ValueError(f"{name}: x must have at least one dimension (got a 0-d array)")
-    if dyd.shape != xd.shape:
-        raise ValueError(f"{name}: dy has shape {dyd.shape}, expected {xd.shape}")
-    xd = _whole_rows(name, "x", xd, nd - 1)
-    dyd = _whole_rows(name, "dy", dyd, nd - 1).rechunk(xd.chunks)
-    st = []
+    from .ops import _rowcore as rc  # noqa: PLC0415
+
+    dv, xv = _view(name, "dy", dy), _view(name, "x", x)
+    rc.check_float(name, "x", xv)
+    rc.check_same(name, "dy", dv, xv)
+    _not_0d(name, "x", xv)
+    rc.check_vectors(name, _vectors(name, {"weight": weight}), xv)
+    nd, lead_shape = xv.ndim, xv.shape[:-1]
     for pname, a in stats:
-        a = _as_dask(name, pname, a)
-        if a.shape != xd.shape[:-1]:
-            raise ValueError(f"{name}: {pname} must have shape {xd.shape[:-1]} (one value per "
-                             f"row); got {a.shape}")
-        st.append(a.rechunk(xd.chunks[:-1]))
+        if a is None:
+            raise TypeError(f"{name}: {pname} is required (the statistics the forward returned)")
+        sv = _view(name, pname, a)
+        if sv.shape != lead_shape:  # stricter than the eager op's count: chunks go by rows
+            raise ValueError(f"{name}: {pname} must have shape {lead_shape} (one value per "
+                             f"row); got {sv.shape}")
+        rc.check_stats(name, pname, sv, math.prod(lead_shape), rc.acc_dtype(xv.dtype))
+    rc.check_columns(name, xv.shape)
+    xd = _whole_rows(name, "x", _as_dask(x), nd - 1)
+    dyd = _whole_rows(name, "dy", _as_dask(dy), nd - 1).rechunk(xd.chunks)
+    st = [_as_dask(a).rechunk(xd.chunks[:-1]) for _, a in stats]
     rows = tuple(range(nd - 1))
     full = rows + (nd - 1,)
     args = [dyd, full, xd, full]

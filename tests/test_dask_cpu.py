@@ -9,6 +9,7 @@ import pytest
 
 import cupylab
 from cupylab import _dask
+from conftest import FakeCAI
 
 da = pytest.importorskip("dask.array")
 dask = pytest.importorskip("dask")
@@ -230,7 +231,8 @@ def test_rowwise_refusals():
     with pytest.raises(ValueError, match=r"add_rms_norm: residual has shape \(6,\), "
                                          r"expected \(8, 6\)"):
         cupylab.add_rms_norm(x, chunked(np.ones(6, np.float32), 3), None)  # no broadcasting
-    with pytest.raises(ValueError, match=r"softmax_backward: dy has shape \(8, 5\)"):
+    with pytest.raises(ValueError, match=r"softmax_backward: dy must have the shape of y "
+                                         r"\(8, 6\); got \(8, 5\)"):
         cupylab.softmax_backward(x, chunked(np.ones((8, 5), np.float32), (4, 5)))
 
 
@@ -342,7 +344,7 @@ def _np_norm(x, layer):
 def test_norm_backward_on_chunks(numpy_norm_bwd, layer):
     rng = np.random.default_rng(7)
     x, dy = rng.standard_normal((3, 20, 16)), rng.standard_normal((3, 20, 16))
-    w = np.linspace(0.5, 2, 16).astype(np.float32)
+    w = np.linspace(0.5, 2, 16)  # x's dtype, as the eager backward requires
     mean, rstd = _np_norm(x, layer)
     xd, dyd = chunked(x, (2, 7, 8)), chunked(dy, (3, 5, 16))
     if layer:
@@ -351,7 +353,7 @@ def test_norm_backward_on_chunks(numpy_norm_bwd, layer):
     else:
         dx, dw = cupylab.rms_norm_backward(dyd, xd, w, chunked(rstd, (3, 9)))
     assert dx.shape == x.shape and dx.chunks[-1] == (16,) and type(dx._meta) is Chunk
-    assert dw.shape == (16,) and dw.dtype == np.float32
+    assert dw.shape == (16,) and dw.dtype == np.float64
     xh = (x - (mean[..., None] if layer else 0)) * rstd[..., None]
     np.testing.assert_allclose(np.asarray(dw.compute(scheduler="sync")),
                                (dy * xh).sum((0, 1)), rtol=1e-5)
@@ -376,5 +378,140 @@ def test_norm_backward_dask_errors():
         cupylab.rms_norm_backward(x, x, None, chunked(np.ones(5, np.float32), 5))
     with pytest.raises(TypeError, match="rms_norm_backward: weight must be a GPU array"):
         cupylab.rms_norm_backward(x, x, chunked(np.ones(6, np.float32), 3), r)
-    with pytest.raises(ValueError, match=r"layer_norm_backward: dy has shape \(4, 5\)"):
+    with pytest.raises(ValueError, match=r"layer_norm_backward: dy must have the shape of x "
+                                         r"\(4, 6\); got \(4, 5\)"):
         cupylab.layer_norm_backward(chunked(np.ones((4, 5), np.float32), 2), x, None, r, r)
+
+
+# -- the eager operators' argument checks run when the Dask call is made, not at compute time --
+@pytest.mark.parametrize("op, args, kw, exc", [
+    ("add", ("f4", "f4"), {"casting": "bogus"}, ValueError),
+    ("add", ("f4", "f4"), {"dtype": "bogus"}, TypeError),
+    ("multiply", ("f4", 2.0), {"dtype": object}, TypeError),
+    ("add", ("i1", 1000), {}, OverflowError),
+    ("fused_add_mul", ("u1", "u1", -1), {}, OverflowError),
+])
+def test_elementwise_argument_checks_match_the_eager_op(op, args, kw, exc):
+    f = getattr(cupylab, op)
+    with pytest.raises(exc) as eager:  # the eager op checks these before touching a GPU
+        f(*[FakeCAI((4, 6), np.dtype(a).str) if isinstance(a, str) else a for a in args], **kw)
+    with pytest.raises(exc) as lazy:
+        f(*[chunked(np.ones((4, 6), a), (2, 3)) if isinstance(a, str) else a for a in args],
+          **kw)
+    assert str(lazy.value) == str(eager.value)
+    assert str(lazy.value).startswith(f"{op}: ")
+
+
+def _x(shape=(8, 6), dtype=np.float32, chunks=4):
+    return chunked(np.ones(shape, dtype), chunks)
+
+
+def _w(n=6, dtype=np.float32):
+    return np.ones(n, dtype).view(Chunk)
+
+
+# (call, exception, message): the eager operator's own check and message (rowwise.py,
+# cross_entropy.py, _rowcore.check_*), raised when the Dask call is made
+ROW_CHECKS = {
+    "softmax-int": (lambda: cupylab.softmax(_x(dtype=np.int32)), TypeError,
+                    r"softmax: x must be float16, bfloat16, float32 or float64 \(got int32\)"),
+    "log_softmax-float-axis": (lambda: cupylab.log_softmax(_x(), axis=1.0), TypeError,
+                               r"log_softmax: axis must be an int \(got 1.0\)"),
+    "softmax-bool-axis": (lambda: cupylab.softmax(_x(), axis=True), TypeError,
+                          r"softmax: axis must be an int \(got True\)"),
+    "rms_norm-eps": (lambda: cupylab.rms_norm(_x(), eps=-1e-6), ValueError,
+                     r"rms_norm: eps must be a non-negative number \(got -1e-06\)"),
+    "layer_norm-eps": (lambda: cupylab.layer_norm(_x(), eps="small"), ValueError,
+                       r"layer_norm: eps must be a non-negative number \(got 'small'\)"),
+    "rms_norm-weight-shape": (lambda: cupylab.rms_norm(_x(), _w(5)), ValueError,
+                              r"rms_norm: weight must have shape \(6,\) \(got \(5,\)\)"),
+    "rms_norm-weight-strided": (lambda: cupylab.rms_norm(_x(), _w(12)[::2]), ValueError,
+                                r"rms_norm: weight must be contiguous \(got stride 2\)"),
+    "rms_norm-weight-dtype": (lambda: cupylab.rms_norm(_x(), _w(dtype=np.float64)), TypeError,
+                              r"rms_norm: weight must be float32 \(got float64\)"),
+    "layer_norm-16bit-weight-dtype": (
+        lambda: cupylab.layer_norm(_x(dtype=np.float16), _w(dtype=np.float64)), TypeError,
+        r"layer_norm: weight must be float16 or float32 \(got float64\)"),
+    "layer_norm-weight-bias-dtypes": (
+        lambda: cupylab.layer_norm(_x(dtype=np.float16), _w(), _w(dtype=np.float16)),
+        TypeError, r"layer_norm: weight and bias must have one dtype \(got float32 and "
+                   r"float16\)"),
+    "layer_norm-bias-list": (lambda: cupylab.layer_norm(_x(), None, [0.0] * 6), TypeError,
+                             r"layer_norm: bias must be a CUDA device array .*; got host data "
+                             r"of type builtins.list"),
+    "rms_norm-no-columns": (lambda: cupylab.rms_norm(_x((8, 0))), ValueError,
+                            r"rms_norm: the last axis of x is empty \(shape \(8, 0\)\)"),
+    "add_rms_norm-int": (lambda: cupylab.add_rms_norm(_x(dtype=np.int64), _x(dtype=np.int64),
+                                                      None), TypeError,
+                         r"add_rms_norm: x must be float16, bfloat16, float32 or float64 "
+                         r"\(got int64\)"),
+    "add_rms_norm-eps": (lambda: cupylab.add_rms_norm(_x(), _x(), None, eps=-1.0), ValueError,
+                         r"add_rms_norm: eps must be a non-negative number \(got -1.0\)"),
+    "add_rms_norm-weight-shape": (lambda: cupylab.add_rms_norm(_x(), _x(), _w(8)), ValueError,
+                                  r"add_rms_norm: weight must have shape \(6,\)"),
+    "softmax_backward-dtypes": (
+        lambda: cupylab.softmax_backward(_x(), _x(dtype=np.float64)), TypeError,
+        r"softmax_backward: dy must have the dtype of y \(float32\); got float64"),
+    "log_softmax_backward-0d": (
+        lambda: cupylab.log_softmax_backward(_x((), chunks=()), _x((), chunks=())), ValueError,
+        r"log_softmax_backward: y must have at least one dimension \(got a 0-d array\)"),
+    "cross_entropy-float-target": (
+        lambda: cupylab.cross_entropy(_x(), _x(8, np.float32)), TypeError,
+        r"cross_entropy: target must be int64 or int32 \(got float32\)"),
+    "cross_entropy-int-logits": (
+        lambda: cupylab.cross_entropy(_x(dtype=np.int64), _x(8, np.int64)), TypeError,
+        r"cross_entropy: logits must be float16, bfloat16, float32 or float64 \(got int64\)"),
+    "cross_entropy-no-classes": (
+        lambda: cupylab.cross_entropy(_x((8, 0)), _x(8, np.int64)), ValueError,
+        r"cross_entropy: logits has no classes \(shape \(8, 0\)\)"),
+    "rms_norm_backward-int": (
+        lambda: cupylab.rms_norm_backward(_x(dtype=np.int32), _x(dtype=np.int32), None, _x(8)),
+        TypeError, r"rms_norm_backward: x must be float16, bfloat16, float32 or float64 "
+                   r"\(got int32\)"),
+    "rms_norm_backward-dy-dtype": (
+        lambda: cupylab.rms_norm_backward(_x(dtype=np.float16), _x(), None, _x(8)), TypeError,
+        r"rms_norm_backward: dy must have the dtype of x \(float32\); got float16"),
+    "rms_norm_backward-weight-dtype": (
+        lambda: cupylab.rms_norm_backward(_x(), _x(), _w(dtype=np.float64), _x(8)), TypeError,
+        r"rms_norm_backward: weight must be float32 \(got float64\)"),
+    "layer_norm_backward-weight-shape": (
+        lambda: cupylab.layer_norm_backward(_x(), _x(), _w(4), _x(8), _x(8)), ValueError,
+        r"layer_norm_backward: weight must have shape \(6,\) \(got \(4,\)\)"),
+    "rms_norm_backward-no-rstd": (
+        lambda: cupylab.rms_norm_backward(_x(), _x(), None, None), TypeError,
+        r"rms_norm_backward: rstd is required \(the statistics the forward returned\)"),
+    "layer_norm_backward-no-mean": (
+        lambda: cupylab.layer_norm_backward(_x(), _x(), None, None, _x(8)), TypeError,
+        r"layer_norm_backward: mean is required"),
+    "rms_norm_backward-rstd-dtype": (
+        lambda: cupylab.rms_norm_backward(_x(), _x(), None, _x(8, np.float16)), TypeError,
+        r"rms_norm_backward: rstd must be float32 \(the statistics the forward returns\); "
+        r"got float16"),
+    "layer_norm_backward-mean-dtype": (
+        lambda: cupylab.layer_norm_backward(_x(dtype=np.float64), _x(dtype=np.float64), None,
+                                            _x(8), _x(8, np.float64)), TypeError,
+        r"layer_norm_backward: mean must be float64 \(the statistics the forward returns\); "
+        r"got float32"),
+    "rms_norm_backward-no-columns": (
+        lambda: cupylab.rms_norm_backward(_x((8, 0)), _x((8, 0)), None, _x(8)), ValueError,
+        r"rms_norm_backward: the last axis of x is empty \(shape \(8, 0\)\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROW_CHECKS))
+def test_rowwise_argument_checks_at_call_time(case):
+    call, exc, match = ROW_CHECKS[case]
+    with pytest.raises(exc, match=match):
+        call()  # building the graph, before anything is computed
+
+
+def test_rowwise_checks_take_what_the_eager_op_takes():
+    """A float32 weight with 16-bit x, a weight and bias of one dtype, int32 targets, no rows:
+    no behaviour change for what the eager operators accept."""
+    assert cupylab.rms_norm(_x(dtype=np.float16), _w()).dtype == np.float16
+    assert cupylab.layer_norm(_x(), _w(), _w()).dtype == np.float32
+    assert cupylab.softmax(_x((0, 6), chunks=(1, 6))).shape == (0, 6)
+    assert cupylab.rms_norm(_x((0, 0), chunks=(1, 1))).shape == (0, 0)
+    assert cupylab.cross_entropy(_x(), _x(8, np.int32)).shape == ()
+    assert cupylab.rms_norm_backward(_x(dtype=np.float16), _x(dtype=np.float16), _w(),
+                                     _x(8))[1].dtype == np.float32

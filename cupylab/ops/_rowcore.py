@@ -339,6 +339,30 @@ def check_vector(opname, name, v, x, cols, allow_f32=True):
                     f"{' or float32' if x.dtype.itemsize == 2 else ''} (got {v.dtype.name})")
 
 
+def check_eps(opname, eps):
+    """The norms' ``eps``: a non-negative number."""
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"{opname}: eps must be a non-negative number (got {eps!r})")
+
+
+def check_vectors(opname, vectors, x):
+    """The norms' weight and bias (``vectors``: name -> view, absent ones left out):
+    :func:`check_vector` each, and one dtype for both. Returns the FLAG_W_F32 bit."""
+    flags = 0
+    for name, v in vectors.items():
+        flags |= check_vector(opname, name, v, x, x.shape[-1])
+    if len(vectors) == 2 and vectors["weight"].dtype is not vectors["bias"].dtype:
+        raise TypeError(f"{opname}: weight and bias must have one dtype (got "
+                        f"{vectors['weight'].dtype.name} and {vectors['bias'].dtype.name})")
+    return flags
+
+
+def check_columns(opname, shape, message="the last axis of x is empty"):
+    """Refuse rows that hold no element (a last axis of 0 with rows present)."""
+    if shape and shape[-1] == 0 and 0 not in shape[:-1]:
+        raise ValueError(f"{opname}: {message} (shape {shape})")
+
+
 def check_stats(opname, name, v, rows, a):
     if v.dtype is not a:
         raise TypeError(f"{opname}: {name} must be {a.name} (the statistics the forward "

@@ -79,14 +79,7 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
                                    label_smoothing, reduction, refuse, stream)
     c = rc.gather(op, {"logits": logits, "target": target, "grad_out": grad_out}, stream)
     xv, tv = c.views["logits"], c.views["target"]
-    rc.check_float(op, "logits", xv)
-    if xv.ndim == 0:
-        raise ValueError(f"{op}: logits must have at least one dimension (got a 0-d array)")
-    if tv.dtype not in (rc.I64, rc.I32):
-        raise TypeError(f"{op}: target must be int64 or int32 (got {tv.dtype.name})")
-    if tv.shape != xv.shape[:-1]:
-        raise ValueError(f"{op}: target must have shape {xv.shape[:-1]} (logits.shape[:-1]); "
-                         f"got {tv.shape}")
+    check_arrays(op, xv, tv)
     a = rc.acc_dtype(xv.dtype)
     gv = gobj = None
     if return_grad:
@@ -97,9 +90,8 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
         else:
             gobj, gv = rc.new_array(c, xv.shape, xv.dtype)
     lay = rc.row_layout(op, xv.shape, [xv, None, gv, None], -1, extra=(tv,))
-    rows, cols = lay.rows, lay.cols
-    if rows and not cols:
-        raise ValueError(f"{op}: logits has no classes (shape {xv.shape})")
+    rows = lay.rows
+    rc.check_columns(op, xv.shape, "logits has no classes")
     loss_obj, lv = rc.new_array(c, lay.lead_shape, a)
     lse_obj = lsv = None
     if return_lse:
@@ -134,3 +126,17 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
     if return_lse:
         res.append(rc.finish(c, lse_obj))
     return res[0] if len(res) == 1 else tuple(res)
+
+
+def check_arrays(op, xv, tv):
+    """The checks of the logits and target views that need no GPU (the Dask form makes them
+    when it is called): logits of a float dtype with at least one dimension, a target of
+    int64 or int32 with the shape ``logits.shape[:-1]``."""
+    rc.check_float(op, "logits", xv)
+    if xv.ndim == 0:
+        raise ValueError(f"{op}: logits must have at least one dimension (got a 0-d array)")
+    if tv.dtype not in (rc.I64, rc.I32):
+        raise TypeError(f"{op}: target must be int64 or int32 (got {tv.dtype.name})")
+    if tv.shape != xv.shape[:-1]:
+        raise ValueError(f"{op}: target must have shape {xv.shape[:-1]} (logits.shape[:-1]); "
+                         f"got {tv.shape}")

@@ -260,6 +260,15 @@ def _resolve_dtype(name, dtype):
                         f"{dtype!r})") from None
 
 
+def check_casting_dtype(name, casting, dtype):
+    """``casting`` one of NumPy's names, and ``dtype`` (None or a dtype) resolved: the checks
+    of the elementwise operators' keywords (the Dask form makes them too)."""
+    if casting not in _dtypes.CASTING:
+        raise ValueError(f"{name}: casting must be one of {', '.join(map(repr, _dtypes.CASTING))}"
+                         f" (got {casting!r})")
+    return None if dtype is None else _resolve_dtype(name, dtype)
+
+
 def _promoter(name, kop, dtype, casting):
     def promote(rule, keys, out_dt):
         try:
@@ -276,10 +285,7 @@ def _call(name, kop, operands, names, out, dtype, casting, stream, allow):
             raise ValueError(f"{name}: out must be an array or a tuple of one array (got a "
                              f"tuple of {len(out)})")
         out = out[0]
-    if casting not in _dtypes.CASTING:
-        raise ValueError(f"{name}: casting must be one of {', '.join(map(repr, _dtypes.CASTING))}"
-                         f" (got {casting!r})")
-    dt = None if dtype is None else _resolve_dtype(name, dtype)
+    dt = check_casting_dtype(name, casting, dtype)
     c = prepare_call(name, operands, out=out, stream=stream, names=names, allow_scalars=allow,
                      promote=_promoter(name, _NAMES[kop], dt, casting))
     return c, dt

@@ -171,16 +171,8 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
     rc.check_float(opname, "x", xv)
     if xv.ndim == 0:
         raise ValueError(f"{opname}: x must have at least one dimension (got a 0-d array)")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"{opname}: eps must be a non-negative number (got {eps!r})")
-    cols = xv.shape[-1]
-    flags = 0
-    for name in ("weight", "bias"):
-        if name in v:
-            flags |= rc.check_vector(opname, name, v[name], xv, cols)
-    if "weight" in v and "bias" in v and v["weight"].dtype is not v["bias"].dtype:
-        raise TypeError(f"{opname}: weight and bias must have one dtype (got "
-                        f"{v['weight'].dtype.name} and {v['bias'].dtype.name})")
+    rc.check_eps(opname, eps)
+    flags = rc.check_vectors(opname, {k: v[k] for k in ("weight", "bias") if k in v}, xv)
     rv = v.get("residual")
     if rv is not None:
         rc.check_same(opname, "residual", rv, xv)
@@ -215,8 +207,7 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
         if opname == "layer_norm":
             mean_obj, mv = rc.new_array(c, lead, a)
         rstd_obj, sv = rc.new_array(c, lead, a)
-    if lay.rows and not lay.cols:
-        raise ValueError(f"{opname}: the last axis of x is empty (shape {xv.shape})")
+    rc.check_columns(opname, xv.shape)
     if lay.rows:
         ptrs = {"in0": xv.ptr, "in1": rv.ptr if rv is not None else 0, "out0": ov.ptr,
                 "out1": hv.ptr if hv is not None else 0,
@@ -415,8 +406,7 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
         if name not in v:
             raise TypeError(f"{opname}: {name} is required (the statistics the forward returned)")
         rc.check_stats(opname, name, v[name], lay.rows, a)
-    if lay.rows and not lay.cols:
-        raise ValueError(f"{opname}: the last axis of x is empty (shape {xv.shape})")
+    rc.check_columns(opname, xv.shape)
     wdt = v["weight"].dtype if "weight" in v else None
     dw = dwv = db = dbv = None
     if wdt is not None:
