@@ -40,7 +40,8 @@ class View:
     stream : int or None
         The stream the producer says its pending work is on (CAI v3), else ``None``.
     kind : str
-        ``"torch"``, ``"cupy"``, ``"jax"``, ``"numba"``, ``"cai"`` or ``"dlpack"``.
+        ``"torch"``, ``"cupy"``, ``"jax"``, ``"numba"``, ``"cai"`` or ``"dlpack"``; ``"dask"``
+        for the address-less views the Dask form builds for the eager checks (``ptr`` 0).
     obj : object
         The original object.
     owner : object
