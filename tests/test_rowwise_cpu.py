@@ -310,3 +310,34 @@ def test_bench_backward_cases_make_their_inputs_once(monkeypatch):
     assert made.count("ce") == 6
     with pytest.raises(TypeError, match="no weak references"):
         OPS["rms_norm_backward"].fn(dy, x.tolist())
+
+
+def test_bench_add_rms_norm_peers_produce_h_too():
+    """The add_rms_norm peers (torch eager and compiled) compute h = x + r as an output, as
+    cupylab does: with y alone as the compiled function's result, Inductor need not write h.
+    A NumPy stand-in for torch records what the compiled function returns."""
+    from types import SimpleNamespace
+
+    from cupylab._registry import OPS
+
+    def rms_norm(h, shape, weight, eps):
+        return R.ROWWISE_REFERENCES["rms_norm"](h, weight, eps)[0]
+
+    returned = []
+
+    def compile(fn):
+        def run(*a):
+            returned.append(fn(*a))
+            return returned[-1]
+        return run
+
+    fake = SimpleNamespace(nn=SimpleNamespace(functional=SimpleNamespace(rms_norm=rms_norm)),
+                           compile=compile)
+    rng = np.random.default_rng(11)
+    x, r = rng.standard_normal((2, 3, 40))
+    ref = R.REFERENCES["rows:add_rms_norm"](x, r)
+    peers = OPS["add_rms_norm"].peers
+    np.testing.assert_allclose(peers["torch"](fake, x, r)(), ref, rtol=1e-12)
+    np.testing.assert_allclose(peers["torch.compile"](fake, x, r)(), ref, rtol=1e-12)
+    y, h = returned[-1]
+    np.testing.assert_allclose(h, x + r)
