@@ -341,3 +341,36 @@ def test_bench_add_rms_norm_peers_produce_h_too():
     np.testing.assert_allclose(peers["torch.compile"](fake, x, r)(), ref, rtol=1e-12)
     y, h = returned[-1]
     np.testing.assert_allclose(h, x + r)
+
+
+def _bf16(a):
+    """``a`` rounded to bfloat16 (nearest even), as float64."""
+    u = np.asarray(a, np.float32).view(np.uint32)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def test_bench_rowwise_check_catches_results_below_atol():
+    """The bench's row-wise check: the scaled atol of bfloat16 (0.128, peers 0.512) is far
+    above a 4,096-column softmax's values (about 2e-4), so the element test alone passes an
+    all-zero result; the whole-sample test refuses it and passes a correctly rounded one."""
+    from cupylab import _dtypes
+    from cupylab.bench._cases import PEER_TOL_SCALE, ROW_TOL_SCALE
+    from cupylab.bench._operands import compare
+
+    rng = np.random.default_rng(12)
+    x, dy = rng.standard_normal((2, 8, 4096))
+    dt = _dtypes.resolve("bfloat16")
+    rtol, atol = R.TOLERANCES["bfloat16"]
+    y = R.ROWWISE_REFERENCES["softmax"](x).ravel()
+    dx = R.REFERENCES["rows:softmax_backward"](_bf16(y).reshape(x.shape), dy).ravel()
+    mag = R.MAGNITUDES["rows:softmax_backward"](_bf16(y).reshape(x.shape), dy).ravel()
+    idx = np.arange(y.size)
+    for s in (ROW_TOL_SCALE, ROW_TOL_SCALE * PEER_TOL_SCALE):
+        assert compare(_bf16(y), y, idx, dt, rtol * s, atol * s, normwise=True) is None
+        assert compare(_bf16(dx), dx, idx, dt, rtol * s, atol * s, mag, normwise=True) is None
+        zeros = np.zeros_like(y)
+        assert compare(zeros, y, idx, dt, rtol * s, atol * s) is None  # the gap closed below
+        assert "as a whole" in compare(zeros, y, idx, dt, rtol * s, atol * s, normwise=True)
+        assert "as a whole" in compare(zeros, dx, idx, dt, rtol * s, atol * s, mag,
+                                       normwise=True)

@@ -122,8 +122,9 @@ def _err(e) -> str:
     return f"{type(e).__name__}: {msg}"
 
 
-def _check(obj, idx, ref, dt, shape, scale=1.0, magnitude=None):
-    """``None`` when ``obj`` is a correct result, else why not."""
+def _check(obj, idx, ref, dt, shape, scale=1.0, magnitude=None, normwise=False):
+    """``None`` when ``obj`` is a correct result, else why not (``normwise``: see
+    :func:`cupylab.bench._operands.compare`)."""
     from ..reference import TOLERANCES  # noqa: PLC0415
 
     got_shape = tuple(getattr(obj, "shape", ()))
@@ -134,7 +135,7 @@ def _check(obj, idx, ref, dt, shape, scale=1.0, magnitude=None):
         return f"wrong result: dtype {got_dt}, expected {dt.name}"
     rtol, atol = TOLERANCES[dt.name]
     return _operands.compare(_operands.sample_to_host(obj, idx), ref, idx, dt, rtol * scale,
-                             atol * scale, magnitude)
+                             atol * scale, magnitude, normwise)
 
 
 def _free(session, big):
@@ -164,8 +165,14 @@ def row_shape(spec, shape):
 ROW_TOL_SCALE = 16.0
 
 
+def _rowwise(spec):
+    return getattr(spec, "rowwise", False)
+
+
 def _tol_scale(spec):
-    return ROW_TOL_SCALE if getattr(spec, "rowwise", False) else 1.0
+    """The row-wise operators' results are also checked as a whole (``normwise``): their
+    scaled ``atol`` exceeds a long row's softmax values."""
+    return ROW_TOL_SCALE if _rowwise(spec) else 1.0
 
 
 def run_case(session: Session, spec, dtype: str, shape) -> dict:
@@ -235,7 +242,7 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
     try:
         got = calls[0]()
         session.timer.sync()
-        bad = _check(got, idx, ref, dt, shape, _tol_scale(spec), mag)
+        bad = _check(got, idx, ref, dt, shape, _tol_scale(spec), mag, _rowwise(spec))
         del got
         if bad:
             res["status"], res["error"] = "FAILED", bad
@@ -320,7 +327,8 @@ def _run_peer(session, spec, peer, sets, idx, ref, mag, dt, shape, us, notes):
             r = f()
             if j == 0:
                 _block(fw, mod, session, r)
-                bad = _check(r, idx, ref, dt, shape, PEER_TOL_SCALE * _tol_scale(spec), mag)
+                bad = _check(r, idx, ref, dt, shape, PEER_TOL_SCALE * _tol_scale(spec), mag,
+                             _rowwise(spec))
                 if bad:
                     return {"us": None, "ratio": None, "error": bad}
                 wrote_out = use_out and r is kw["out"]

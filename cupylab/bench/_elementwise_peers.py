@@ -57,8 +57,14 @@ def _cupy_fam(cp, a, b, s, out=None):
     return (lambda: k(a, b, s)) if out is None else (lambda: k(a, b, s, out))
 
 
+def _fam(a, b, s):
+    return (a + b) * s
+
+
 def _jax_fam(jax, a, b, s, out=None):
-    f = jax.jit(lambda a, b, s: (a + b) * s)
+    # one function for every buffer set: jax.jit caches its compilations per function object,
+    # so a new lambda per set was traced and compiled again each time
+    f = jax.jit(_fam)
     return lambda: f(a, b, s)
 
 

@@ -279,11 +279,14 @@ def sample_to_host(obj, idx):
     return host.astype(np.int64 if host.dtype.kind in "iub" else np.float64)
 
 
-def compare(got, ref, idx, dt, rtol, atol, magnitude=None):
+def compare(got, ref, idx, dt, rtol, atol, magnitude=None, normwise=False):
     """``None`` when ``got`` matches ``ref`` within ``rtol``/``atol`` (exactly for integers),
     else a one-line description of the mismatch. ``magnitude`` (same shape as ``ref``), where
     given, replaces ``|ref|`` in the relative term: the size of the terms the result was
-    computed from, for results that cancel."""
+    computed from, for results that cancel. ``normwise``: the checked elements must also agree
+    as a whole, ``||got - ref|| <= rtol * ||size||``, without ``atol``: for results much
+    smaller than ``atol`` (a softmax of a long row), which the element test alone would pass
+    even if they were all zero."""
     got = np.asarray(got)
     ref = np.asarray(ref)
     if dt.kind == "i":
@@ -294,6 +297,13 @@ def compare(got, ref, idx, dt, rtol, atol, magnitude=None):
             bad = ~(np.abs(got - ref) <= atol + rtol * size)
     nbad = int(np.count_nonzero(bad))
     if not nbad:
+        if normwise and dt.kind != "i":
+            ok = np.isfinite(ref)
+            err = float(np.linalg.norm((got - ref)[ok].astype(np.float64)))
+            bound = rtol * float(np.linalg.norm(size[ok].astype(np.float64)))
+            if not err <= bound:
+                return (f"wrong result: the checked elements differ as a whole: ||got - ref|| = "
+                        f"{err:.3g} > rtol={rtol:g} x ||ref|| = {bound:.3g}")
         return None
     i = int(np.flatnonzero(bad)[0])
     tol = "exact" if dt.kind == "i" else f"rtol={rtol:g}, atol={atol:g}"
