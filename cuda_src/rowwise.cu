@@ -730,9 +730,14 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
                 if (p.st0) reinterpret_cast<A*>(p.st0)[row] = mean;
                 if (p.st1) reinterpret_cast<A*>(p.st1)[row] = rstd;
             }
-            for (i64 c = threadIdx.x; c < cols; c += GT)
-                y[c * c2] = from_acc<T>((to_acc(src[c * cs]) - mean) * rstd * load_w<T>(p, p.w, c, A(1)) +
-                                        load_w<T>(p, p.b, c, A(0)));
+            for (i64 c = threadIdx.x; c < cols; c += GT) {
+                const A wc = load_w<T>(p, p.w, c, A(1));
+                if constexpr (OP == OP_LN)
+                    y[c * c2] = from_acc<T>((to_acc(src[c * cs]) - mean) * rstd * wc +
+                                            load_w<T>(p, p.b, c, A(0)));
+                else  // the rms norms: no mean, no bias (as row_reg: -0 stays -0, as in torch)
+                    y[c * c2] = from_acc<T>(to_acc(src[c * cs]) * rstd * wc);
+            }
         } else if constexpr (OP == OP_SOFTMAX_BWD || OP == OP_LOG_SOFTMAX_BWD) {
             const T* dy = row_ptr<const T>(p.in1, p, 1, row);
             A d = A(0);

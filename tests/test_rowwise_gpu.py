@@ -162,6 +162,19 @@ def test_softmax_special_values():
         assert got[0, 1] == -np.inf and np.isfinite(got[0, 0])
 
 
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,cols", [(4, 1000), (1, 300000)])  # a register and the generic kernel
+def test_rms_norm_keeps_negative_zero(rows, cols, dt):
+    """x * rstd * w of a -0 element is -0 (as torch computes it) in every kernel class: the rms
+    norms add no bias term, which would turn -0 into +0."""
+    h = np.random.default_rng(cols).standard_normal((rows, cols)).astype(np_dtype(dt))
+    h[:, ::7] = -0.0
+    y = to_host(cupylab.rms_norm(cupy_from_host(h), eps=1e-6)).astype(np.float64)
+    assert np.all(y[:, ::7] == 0) and np.all(np.signbit(y[:, ::7]))
+    ref = R.ROWWISE_REFERENCES["rms_norm"](h, None, 1e-6)[0]
+    check(y, ref, dt, 2, "rms_norm")
+
+
 def test_layer_norm_constant_rows():
     for dt in FLOATS:
         h = np.full((5, 1000), 3.25).astype(np_dtype(dt))
