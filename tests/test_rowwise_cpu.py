@@ -374,3 +374,15 @@ def test_bench_rowwise_check_catches_results_below_atol():
         assert "as a whole" in compare(zeros, y, idx, dt, rtol * s, atol * s, normwise=True)
         assert "as a whole" in compare(zeros, dx, idx, dt, rtol * s, atol * s, mag,
                                        normwise=True)
+    # float16: a correctly rounded softmax of a long row (values below float16's normal range,
+    # stored in steps of 6e-8) passes; zeros do not
+    f16 = _dtypes.resolve("float16")
+    rtol, atol = R.TOLERANCES["float16"]
+    u = rng.uniform(0.5, 2.0, 1 << 21) * rng.choice([-1, 1], 1 << 21)
+    y = R.ROWWISE_REFERENCES["softmax"](u[None, :]).ravel()
+    idx = np.arange(y.size)
+    for s in (ROW_TOL_SCALE, ROW_TOL_SCALE * PEER_TOL_SCALE):
+        got = y.astype(np.float16).astype(np.float64)
+        assert compare(got, y, idx, f16, rtol * s, atol * s, normwise=True) is None
+        assert "as a whole" in compare(np.zeros_like(y), y, idx, f16, rtol * s, atol * s,
+                                       normwise=True)

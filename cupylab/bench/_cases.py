@@ -14,11 +14,13 @@ A case
 4. for each requested peer the operator registers: builds the peer on the same operands
    (converted zero-copy through DLPack), checks its result too (with 4x the tolerance: peers
    may round twice), and times it (JAX by wall clock, the others by CUDA events). A peer that is
-   not installed or not registered for the operator is ``None`` ("n/a"). Peers that can
-   (torch eager, CuPy) write into the same rotating ``out=`` buffers as cupylab, so both sides
-   move the same bytes; JAX and torch.compile allocate their result (``"out": false`` in the
-   JSON). An allocating peer gets its framework's cached block back on every call, an output
-   that stays in L2 at medium sizes, which a rotating ``out=`` does not.
+   not installed or not registered for the operator is ``None`` ("n/a"). The elementwise peers
+   that can (torch eager, CuPy) write into the same rotating ``out=`` buffers as cupylab, so
+   both sides move the same bytes; JAX, torch.compile and every row-wise peer allocate their
+   result (``"out": false`` in the JSON). An allocating peer gets its framework's cached block
+   back on every call, an output that stays in L2 at medium sizes, which a rotating ``out=``
+   does not. Row-wise results are also compared as a whole (``normwise`` in
+   :func:`cupylab.bench._operands.compare`).
 """
 from __future__ import annotations
 

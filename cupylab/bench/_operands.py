@@ -279,14 +279,20 @@ def sample_to_host(obj, idx):
     return host.astype(np.int64 if host.dtype.kind in "iub" else np.float64)
 
 
+#: The spacing of the smallest (subnormal) values of the 16-bit float dtypes
+_SUBNORMAL_STEP = {"float16": 2.0 ** -24, "bfloat16": 2.0 ** -133}
+
+
 def compare(got, ref, idx, dt, rtol, atol, magnitude=None, normwise=False):
     """``None`` when ``got`` matches ``ref`` within ``rtol``/``atol`` (exactly for integers),
     else a one-line description of the mismatch. ``magnitude`` (same shape as ``ref``), where
     given, replaces ``|ref|`` in the relative term: the size of the terms the result was
     computed from, for results that cancel. ``normwise``: the checked elements must also agree
-    as a whole, ``||got - ref|| <= rtol * ||size||``, without ``atol``: for results much
-    smaller than ``atol`` (a softmax of a long row), which the element test alone would pass
-    even if they were all zero."""
+    as a whole, ``||got - ref|| <= rtol * ||size|| + floor``, without ``atol``: for results
+    much smaller than ``atol`` (a softmax of a long row), which the element test alone would
+    pass even if they were all zero. ``floor`` is the rounding of the output dtype's smallest
+    step (its subnormal spacing, half of it per element) over the checked elements: a
+    correctly rounded float16 result of values below 6e-5 errs by up to 3e-8 each."""
     got = np.asarray(got)
     ref = np.asarray(ref)
     if dt.kind == "i":
@@ -300,10 +306,12 @@ def compare(got, ref, idx, dt, rtol, atol, magnitude=None, normwise=False):
         if normwise and dt.kind != "i":
             ok = np.isfinite(ref)
             err = float(np.linalg.norm((got - ref)[ok].astype(np.float64)))
-            bound = rtol * float(np.linalg.norm(size[ok].astype(np.float64)))
+            floor = 0.5 * _SUBNORMAL_STEP.get(dt.name, 0.0) * float(np.sqrt(np.count_nonzero(ok)))
+            bound = rtol * float(np.linalg.norm(size[ok].astype(np.float64))) + floor
             if not err <= bound:
                 return (f"wrong result: the checked elements differ as a whole: ||got - ref|| = "
-                        f"{err:.3g} > rtol={rtol:g} x ||ref|| = {bound:.3g}")
+                        f"{err:.3g} > {bound:.3g} (rtol={rtol:g} of their size, plus the "
+                        f"rounding floor)")
         return None
     i = int(np.flatnonzero(bad)[0])
     tol = "exact" if dt.kind == "i" else f"rtol={rtol:g}, atol={atol:g}"
