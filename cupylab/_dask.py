@@ -27,7 +27,7 @@ import numbers
 
 from . import _dtypes
 
-__all__ = ["is_dask", "any_dask", "elementwise"]
+__all__ = ["is_dask", "any_dask", "elementwise", "view"]
 
 
 def is_dask(obj) -> bool:
@@ -63,12 +63,27 @@ def _refuse_out_stream(name, out, stream):
                         "its worker's current stream")
 
 
-def _view(name, pname, a, dask_ok=True):
+def _key(name, arrays):
+    """A graph key for a task whose function carries the GPU ``arrays`` (weights, biases; None
+    where absent): a fresh one when there are any, since Dask's default key hashes the
+    function's arguments and hashing a CuPy array copies it to the host; else None (Dask's
+    own)."""
+    if all(a is None for a in arrays):
+        return None
+    import uuid  # noqa: PLC0415
+
+    return f"cupylab-{name}-{uuid.uuid4().hex}"
+
+
+def view(name, pname, a, dask_ok=True):
     """What the eager operators' checks read of ``a`` (a Dask array, or a GPU array beside
     Dask arrays), known without computing, as a :class:`cupylab._arrays.View` with no
     address: shape, dtype, and strides in elements (the GPU array's own; C order for a Dask
     array, whose chunks' layout is known only at compute time, where the chunk call checks
     it).
+
+    An object with a ``__cuda_array_interface__`` is read from it, as the eager operators
+    read it.
 
     Raises
     ------
@@ -76,9 +91,12 @@ def _view(name, pname, a, dask_ok=True):
         ``a`` is not an array (no ``shape`` and ``dtype``; without ``dask_ok``, where only a
         GPU array is taken, the eager operator's message), or cupylab does not know its dtype.
     """
-    from ._arrays import View, _host_error  # noqa: PLC0415
+    from ._arrays import View, _host_error, view_from_cai  # noqa: PLC0415
     from ._elementwise_core import c_strides  # noqa: PLC0415
 
+    cai = None if is_dask(a) else getattr(a, "__cuda_array_interface__", None)
+    if isinstance(cai, dict):  # a CUDA array interface (read without a GPU call)
+        return view_from_cai(cai, a, f"{name}: {pname}", "dask")
     if not (hasattr(a, "shape") and hasattr(a, "dtype")):
         if not dask_ok:
             raise _host_error(f"{name}: {pname}", a)
@@ -98,15 +116,10 @@ def _view(name, pname, a, dask_ok=True):
     return View(0, shape, strides, dt, None, False, None, "dask", a)
 
 
-def _not_0d(name, pname, v):
-    if v.ndim == 0:
-        raise ValueError(f"{name}: {pname} must have at least one dimension (got a 0-d array)")
-
-
 def _vectors(name, kwargs):
     """The weight and bias among ``kwargs`` (GPU arrays, or None: left out) as views, for
     :func:`cupylab.ops._rowcore.check_vectors`."""
-    return {k: _view(name, k, kwargs[k], dask_ok=False)
+    return {k: view(name, k, kwargs[k], dask_ok=False)
             for k in ("weight", "bias") if kwargs.get(k) is not None}
 
 
@@ -169,7 +182,7 @@ def elementwise(name, promo_op, fn, operands, names, out, dtype, casting, stream
             # a GPU array beside Dask arrays: one chunk, aligned (and split) by Dask
             a = da.from_array(a, chunks=tuple(a.shape) or (), asarray=False, name=False,
                               meta=meta_from_array(a, ndim=len(a.shape)))
-        views.append(_view(name, nm, a))
+        views.append(view(name, nm, a))
         args += [a, tuple(range(a.ndim))[::-1]]
     # the eager operator's checks: promotion (and casts), the scalars, broadcasting
     _, _, shape, res = _validate_promote(name, operands, views, names,
@@ -237,11 +250,11 @@ def rowwise(name, fn, arrays, axis, kwargs, out, stream, refuse=()):
     from .ops import _rowcore as rc  # noqa: PLC0415
     from .ops.rowwise import _axis  # noqa: PLC0415
 
-    (rname, rv), *others = [(pname, _view(name, pname, a)) for pname, a in arrays]
+    (rname, rv), *others = [(pname, view(name, pname, a)) for pname, a in arrays]
     rc.check_float(name, rname, rv)
     for pname, v in others:
         rc.check_same(name, pname, v, rv, rname)
-    _not_0d(name, rname, rv)
+    rc.check_not_0d(name, rname, rv)
     axis = _axis(name, axis, rv.ndim)
     if "eps" in kwargs:  # the norms, as rowwise._norm checks them
         rc.check_eps(name, kwargs["eps"])
@@ -256,7 +269,8 @@ def rowwise(name, fn, arrays, axis, kwargs, out, stream, refuse=()):
     ops = [a if a.chunks == ref else a.rechunk(ref) for a in ops]
     meta = meta_from_array(lead._meta, ndim=nd, dtype=lead.dtype)
     call = functools.partial(_rows_call, fn, axis, kwargs)
-    return da.map_blocks(call, *ops, dtype=lead.dtype, meta=meta)
+    return da.map_blocks(call, *ops, dtype=lead.dtype, meta=meta,
+                         name=_key(name, [kwargs.get("weight"), kwargs.get("bias")]))
 
 
 def _rows_call(fn, axis, kwargs, *blocks):
@@ -285,8 +299,8 @@ def cross_entropy(fn, logits, target, ignore_index, label_smoothing, reduction, 
     from .ops import _rowcore as rc  # noqa: PLC0415
     from .ops.cross_entropy import check_arrays  # noqa: PLC0415
 
-    xv = _view(name, "logits", logits)
-    check_arrays(name, xv, _view(name, "target", target))
+    xv = view(name, "logits", logits)
+    check_arrays(name, xv, view(name, "target", target))
     rc.check_columns(name, xv.shape, "logits has no classes")
     x, t = _as_dask(logits), _as_dask(target)
     nd = x.ndim
@@ -311,7 +325,7 @@ def _ce_call(fn, ignore_index, label_smoothing, logits, target):
 
 
 def _as_dask(a):
-    """``a`` (checked by :func:`_view`) as a Dask array: itself, or a one-chunk Dask array of
+    """``a`` (checked by :func:`view`) as a Dask array: itself, or a one-chunk Dask array of
     a GPU array."""
     if is_dask(a):
         return a
@@ -350,16 +364,16 @@ def norm_backward(name, fn, dy, x, weight, stats, stream):
 
     from .ops import _rowcore as rc  # noqa: PLC0415
 
-    dv, xv = _view(name, "dy", dy), _view(name, "x", x)
+    dv, xv = view(name, "dy", dy), view(name, "x", x)
     rc.check_float(name, "x", xv)
     rc.check_same(name, "dy", dv, xv)
-    _not_0d(name, "x", xv)
+    rc.check_not_0d(name, "x", xv)
     rc.check_vectors(name, _vectors(name, {"weight": weight}), xv)
     nd, lead_shape = xv.ndim, xv.shape[:-1]
     for pname, a in stats:
         if a is None:
             raise TypeError(f"{name}: {pname} is required (the statistics the forward returned)")
-        sv = _view(name, pname, a)
+        sv = view(name, pname, a)
         if sv.shape != lead_shape:  # stricter than the eager op's count: chunks go by rows
             raise ValueError(f"{name}: {pname} must have shape {lead_shape} (one value per "
                              f"row); got {sv.shape}")
@@ -374,14 +388,15 @@ def norm_backward(name, fn, dy, x, weight, stats, stream):
     for a in st:
         args += [a, rows]
     dx = da.blockwise(functools.partial(_nb_call, fn, weight, False), full, *args,
-                      dtype=xd.dtype, concatenate=True,
+                      name=_key(name, [weight]), dtype=xd.dtype, concatenate=True,
                       meta=meta_from_array(xd._meta, ndim=nd, dtype=xd.dtype))
     if weight is None:
         return (dx, None, None) if len(stats) == 2 else (dx, None)
     k = len(stats)  # weight gradients: dweight, and dbias for layer_norm
     f32 = _np_float32()
     part = da.blockwise(functools.partial(_nb_call, fn, weight, True), rows + (nd, nd - 1),
-                        *args, new_axes={nd: k}, adjust_chunks={i: 1 for i in rows},
+                        *args, name=_key(f"{name}-grads", [weight]), new_axes={nd: k},
+                        adjust_chunks={i: 1 for i in rows},
                         dtype=f32, concatenate=True,
                         meta=meta_from_array(xd._meta, ndim=nd + 1, dtype=f32))
     g = part.sum(axis=rows, dtype=f32).astype(weight.dtype)

@@ -183,23 +183,36 @@ class Unhashed(Chunk):
     """A GPU array stand-in that must not be hashed (a CuPy array's hash copies it to the host)."""
 
 
-def test_gpu_arrays_beside_dask_arrays_are_not_hashed(numpy_chunks, numpy_rows, monkeypatch):
-    import dask.array.core as core
+@pytest.fixture
+def unhashed():
+    """Dask's hashing of an :class:`Unhashed` fails the test, wherever it happens (arguments
+    of a graph node, or arrays inside the node's function)."""
+    from dask.base import normalize_token
 
-    tokenize = core.tokenize
+    def refuse(a):
+        raise AssertionError("Dask hashed a GPU array")
 
-    def no_gpu_hash(*args, **kwargs):
-        assert not any(isinstance(a, Unhashed) for a in args), "a GPU array was hashed"
-        return tokenize(*args, **kwargs)
+    normalize_token.register(Unhashed)(refuse)
+    yield lambda a: np.asarray(a).view(Unhashed)
+    normalize_token._lookup.pop(Unhashed, None)
 
-    monkeypatch.setattr(core, "tokenize", no_gpu_hash)
-    a = np.random.default_rng(5).standard_normal((6, 10))
-    w = np.linspace(0.5, 2, 10).view(Unhashed)
+
+def test_gpu_arrays_beside_dask_arrays_are_not_hashed(numpy_chunks, numpy_rows,
+                                                      numpy_norm_bwd, unhashed):
+    rng = np.random.default_rng(5)
+    a, dy = rng.standard_normal((2, 6, 10))
+    w, b = unhashed(np.linspace(0.5, 2, 10)), unhashed(np.linspace(-1, 1, 10))
     got = cupylab.fused_add_mul(chunked(a, (2, 4)), w, 0.5).compute(scheduler="sync")
     np.testing.assert_allclose(np.asarray(got), (a + np.asarray(w)) * 0.5)
     y = cupylab.rms_norm(chunked(a, (3, 10)), w, eps=1e-6).compute(scheduler="sync")
     ref = a / np.sqrt((a ** 2).mean(-1, keepdims=True) + 1e-6) * np.asarray(w)
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-12)
+    assert cupylab.layer_norm(chunked(a, (3, 10)), w, b).shape == a.shape
+    _, rstd = _np_norm(a, False)
+    dx, dw = cupylab.rms_norm_backward(chunked(dy, (3, 10)), chunked(a, (3, 10)), w,
+                                       chunked(rstd, 3))
+    assert dx.shape == a.shape and dw.shape == (10,)
+    dw.compute(scheduler="sync")
 
 
 def test_rms_norm_sends_the_weight_to_every_chunk(numpy_rows):
@@ -228,8 +241,8 @@ def test_rowwise_refusals():
         cupylab.cross_entropy(x, chunked(np.zeros(8, np.int64), 4), return_grad=True)
     with pytest.raises(TypeError, match="softmax: out= is not supported"):
         cupylab.softmax(x, out=x)
-    with pytest.raises(ValueError, match=r"add_rms_norm: residual has shape \(6,\), "
-                                         r"expected \(8, 6\)"):
+    with pytest.raises(ValueError, match=r"add_rms_norm: residual must have the shape of x "
+                                         r"\(8, 6\); got \(6,\)"):
         cupylab.add_rms_norm(x, chunked(np.ones(6, np.float32), 3), None)  # no broadcasting
     with pytest.raises(ValueError, match=r"softmax_backward: dy must have the shape of y "
                                          r"\(8, 6\); got \(8, 5\)"):
@@ -252,7 +265,8 @@ def test_add_rms_norm_returns_y_and_h(numpy_chunks, numpy_rows):
     np.testing.assert_allclose(np.asarray(hv), a + r, rtol=1e-12)
     ref = (a + r) / np.sqrt(((a + r) ** 2).mean(-1, keepdims=True) + 1e-6) * w
     np.testing.assert_allclose(np.asarray(yv), ref, rtol=1e-12)
-    with pytest.raises(TypeError, match="add_rms_norm: x and residual must have one dtype"):
+    with pytest.raises(TypeError, match=r"add_rms_norm: residual must have the dtype of x "
+                                        r"\(float64\); got float32"):
         cupylab.add_rms_norm(chunked(a, 7), chunked(r.astype(np.float32), 7), w)
 
 
@@ -515,3 +529,15 @@ def test_rowwise_checks_take_what_the_eager_op_takes():
     assert cupylab.cross_entropy(_x(), _x(8, np.int32)).shape == ()
     assert cupylab.rms_norm_backward(_x(dtype=np.float16), _x(dtype=np.float16), _w(),
                                      _x(8))[1].dtype == np.float32
+
+
+def test_cuda_array_interface_weights_beside_dask_arrays():
+    """A weight or bias given as a bare ``__cuda_array_interface__`` object (no ``shape`` or
+    ``dtype`` attributes) is checked from its interface, as the eager operator reads it."""
+    x = chunked(np.ones((8, 6), np.float32), (4, 6))
+    assert cupylab.rms_norm(x, FakeCAI((6,), "<f4")).shape == (8, 6)
+    assert cupylab.layer_norm(x, FakeCAI((6,), "<f4"), FakeCAI((6,), "<f4")).shape == (8, 6)
+    with pytest.raises(ValueError, match=r"rms_norm: weight must have shape \(6,\)"):
+        cupylab.rms_norm(x, FakeCAI((5,), "<f4"))
+    with pytest.raises(TypeError, match="rms_norm: weight must be float32"):
+        cupylab.rms_norm(x, FakeCAI((6,), "<f8"))

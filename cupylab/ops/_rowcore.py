@@ -315,6 +315,11 @@ def check_float(opname, name, v):
                         f"(got {v.dtype.name})")
 
 
+def check_not_0d(opname, name, v):
+    if v.ndim == 0:
+        raise ValueError(f"{opname}: {name} must have at least one dimension (got a 0-d array)")
+
+
 def check_same(opname, name, v, ref, ref_name="x"):
     if v.dtype is not ref.dtype:
         raise TypeError(f"{opname}: {name} must have the dtype of {ref_name} ({ref.dtype.name}); "

@@ -133,8 +133,7 @@ def check_arrays(op, xv, tv):
     when it is called): logits of a float dtype with at least one dimension, a target of
     int64 or int32 with the shape ``logits.shape[:-1]``."""
     rc.check_float(op, "logits", xv)
-    if xv.ndim == 0:
-        raise ValueError(f"{op}: logits must have at least one dimension (got a 0-d array)")
+    rc.check_not_0d(op, "logits", xv)
     if tv.dtype not in (rc.I64, rc.I32):
         raise TypeError(f"{op}: target must be int64 or int32 (got {tv.dtype.name})")
     if tv.shape != xv.shape[:-1]:

@@ -143,15 +143,11 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
             if return_stats:
                 raise TypeError(f"{opname}: return_stats=True is not supported with Dask "
                                 "arrays")
-            if getattr(x, "dtype", None) != getattr(residual, "dtype", None):
-                raise TypeError(f"{opname}: x and residual must have one dtype (got "
-                                f"{getattr(x, 'dtype', None)} and "
-                                f"{getattr(residual, 'dtype', None)})")
-            if tuple(getattr(x, "shape", ())) != tuple(getattr(residual, "shape", ())):
-                # the eager op takes no broadcast residual: neither does its Dask form
-                raise ValueError(f"{opname}: residual has shape "
-                                 f"{tuple(getattr(residual, 'shape', ()))}, expected "
-                                 f"{tuple(getattr(x, 'shape', ()))}")
+            # the eager op's checks of the two rows (one dtype, the same shape: no broadcast
+            # residual), before the add
+            xv = _dask.view(opname, "x", x)
+            rc.check_float(opname, "x", xv)
+            rc.check_same(opname, "residual", _dask.view(opname, "residual", residual), xv)
             from .elementwise import add  # noqa: PLC0415
 
             h = add(x, residual)
@@ -169,8 +165,7 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
     v = c.views
     xv = v["x"]
     rc.check_float(opname, "x", xv)
-    if xv.ndim == 0:
-        raise ValueError(f"{opname}: x must have at least one dimension (got a 0-d array)")
+    rc.check_not_0d(opname, "x", xv)
     rc.check_eps(opname, eps)
     flags = rc.check_vectors(opname, {k: v[k] for k in ("weight", "bias") if k in v}, xv)
     rv = v.get("residual")
@@ -320,8 +315,7 @@ def _softmax_bwd(opname, y, dy, out, stream):
     yv, dv = c.views["y"], c.views["dy"]
     rc.check_float(opname, "y", yv)
     rc.check_same(opname, "dy", dv, yv, "y")
-    if yv.ndim == 0:
-        raise ValueError(f"{opname}: y must have at least one dimension (got a 0-d array)")
+    rc.check_not_0d(opname, "y", yv)
     if out is not None:
         ov = c.views["out"]
         rc.check_out(opname, "out", ov, yv.shape, yv.dtype)
@@ -395,8 +389,7 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
     dv, xv = v["dy"], v["x"]
     rc.check_float(opname, "x", xv)
     rc.check_same(opname, "dy", dv, xv)
-    if xv.ndim == 0:
-        raise ValueError(f"{opname}: x must have at least one dimension (got a 0-d array)")
+    rc.check_not_0d(opname, "x", xv)
     cols = xv.shape[-1]
     flags = rc.check_vector(opname, "weight", v["weight"], xv, cols) if "weight" in v else 0
     a = rc.acc_dtype(xv.dtype)
