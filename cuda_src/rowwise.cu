@@ -220,6 +220,15 @@ __device__ __forceinline__ void issue_row(Vec<T, V>* stage, const RowArgs& p, i6
     }
 }
 
+// Stage `row` of every input into `stage` (in0's slots, then in1's for the two-input ops).
+template <typename T, int OP, int V, int NV, int TPR, int THREADS, bool TWO_IN>
+__device__ __forceinline__ void issue_stage(Vec<T, V>* stage, const RowArgs& p, i64 row,
+                                            int sbase, int cols) {
+    issue_row<T, V, NV, TPR, THREADS>(stage, p, row, sbase, cols, fill_value<T, OP>());
+    if constexpr (TWO_IN)
+        issue_row<T, V, NV, TPR, THREADS, 1>(stage + NV * THREADS, p, row, sbase, cols, T());
+}
+
 // ---- register kernels ------------------------------------------------------------------
 template <typename T, int OP, int THREADS, int TPR, int NV, int C, bool PIPE = false>
 __device__ __forceinline__ void row_reg(const RowArgs& p) {
@@ -252,12 +261,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
     if constexpr (PIPE) {
 #pragma unroll
         for (int q = 0; q < PIPE_STAGES - 1; ++q) {
-            const i64 r = (first + q * nunits) * RPB + group;
-            issue_row<T, V, NV, TPR, THREADS>(stages + q * STAGE, p, r, sbase, cols,
-                                              fill_value<T, OP>());
-            if constexpr (TWO_IN)
-                issue_row<T, V, NV, TPR, THREADS, 1>(stages + q * STAGE + NV * THREADS, p, r,
-                                                     sbase, cols, T());
+            issue_stage<T, OP, V, NV, TPR, THREADS, TWO_IN>(
+                stages + q * STAGE, p, (first + q * nunits) * RPB + group, sbase, cols);
             cp_async_commit();
         }
     }
@@ -272,11 +277,9 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         Vec<T, V> a[NV];
         Vec<T, V> b[TWO_IN ? NV : 1];
         if constexpr (PIPE) {
-            Vec<T, V>* nxt = stages + ((it + PIPE_STAGES - 1) % PIPE_STAGES) * STAGE;
-            const i64 r = (unit + (PIPE_STAGES - 1) * nunits) * RPB + group;
-            issue_row<T, V, NV, TPR, THREADS>(nxt, p, r, sbase, cols, fill_value<T, OP>());
-            if constexpr (TWO_IN)
-                issue_row<T, V, NV, TPR, THREADS, 1>(nxt + NV * THREADS, p, r, sbase, cols, T());
+            issue_stage<T, OP, V, NV, TPR, THREADS, TWO_IN>(
+                stages + ((it + PIPE_STAGES - 1) % PIPE_STAGES) * STAGE, p,
+                (unit + (PIPE_STAGES - 1) * nunits) * RPB + group, sbase, cols);
             cp_async_commit();
             cp_async_wait<PIPE_STAGES - 1>();
             const Vec<T, V>* cur = stages + (it % PIPE_STAGES) * STAGE;

@@ -82,8 +82,8 @@ def view(name, pname, a, dask_ok=True):
     array, whose chunks' layout is known only at compute time, where the chunk call checks
     it).
 
-    An object with a ``__cuda_array_interface__`` is read from it, as the eager operators
-    read it.
+    An object with no ``shape`` or ``dtype`` but a ``__cuda_array_interface__`` is read from
+    the interface, as the eager operators read it.
 
     Raises
     ------
@@ -94,10 +94,10 @@ def view(name, pname, a, dask_ok=True):
     from ._arrays import View, _host_error, view_from_cai  # noqa: PLC0415
     from ._elementwise_core import c_strides  # noqa: PLC0415
 
-    cai = None if is_dask(a) else getattr(a, "__cuda_array_interface__", None)
-    if isinstance(cai, dict):  # a CUDA array interface (read without a GPU call)
-        return view_from_cai(cai, a, f"{name}: {pname}", "dask")
     if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        cai = getattr(a, "__cuda_array_interface__", None)
+        if isinstance(cai, dict):  # a bare CUDA array interface (read without a GPU call)
+            return view_from_cai(cai, a, f"{name}: {pname}", "dask")
         if not dask_ok:
             raise _host_error(f"{name}: {pname}", a)
         raise TypeError(f"{name}: {pname} must be a Dask array or a GPU array (got "

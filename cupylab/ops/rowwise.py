@@ -391,7 +391,7 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
     rc.check_same(opname, "dy", dv, xv)
     rc.check_not_0d(opname, "x", xv)
     cols = xv.shape[-1]
-    flags = rc.check_vector(opname, "weight", v["weight"], xv, cols) if "weight" in v else 0
+    flags = rc.check_vectors(opname, {k: v[k] for k in ("weight",) if k in v}, xv)
     a = rc.acc_dtype(xv.dtype)
     dxobj, dxv = rc.new_array(c, xv.shape, xv.dtype)
     lay = rc.row_layout(opname, xv.shape, [xv, dv, dxv, None], -1)
