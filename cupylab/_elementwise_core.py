@@ -113,10 +113,16 @@ def _np_dtype_for(dt):
     return d
 
 
-def allocate(kind, shape, dt, device):
+def allocate(kind, shape, dt, device, stream=None):
     """A new C-contiguous array on ``device``: torch for torch callers, CuPy for everyone else
     (JAX and Numba results are wrapped from it after the launch: :func:`finish_output`). The
-    callers need not have made ``device`` current (CuPy allocates on the current device)."""
+    callers need not have made ``device`` current (CuPy allocates on the current device).
+
+    ``stream``: the stream whose kernels use the array, when that may differ from the
+    framework's current stream (a ``stream=`` argument; internal tables and temporaries).
+    Its memory then returns to the allocator only behind the work queued on ``stream``, never
+    under a kernel still running there: torch's ``record_stream``; for CuPy the array is
+    allocated while ``stream`` is current, CuPy's pool reusing memory per stream."""
     if kind == "torch":
         torch = sys.modules["torch"]
         tdt = _torch_dt.get(dt.name)
@@ -125,8 +131,18 @@ def allocate(kind, shape, dt, device):
         dev = _torch_dev.get(device)
         if dev is None:
             dev = _torch_dev[device] = torch.device("cuda", device)
-        return torch.empty(shape, dtype=tdt, device=dev)
+        obj = torch.empty(shape, dtype=tdt, device=dev)
+        if stream is not None and stream != _launch.current_stream("torch", device):
+            obj.record_stream(torch.cuda.ExternalStream(stream, device=device))
+        return obj
     cp = _runtime.cupy()
+    if stream is not None:
+        dev = _runtime.current_device() if device is None else device
+        with _launch.ensure_device(dev):
+            if stream != cp.cuda.get_current_stream().ptr:
+                with _launch.cupy_stream(stream, dev):
+                    return cp.empty(shape, dtype=_np_dtype_for(dt))
+            return cp.empty(shape, dtype=_np_dtype_for(dt))
     if device is not None and _runtime.current_device() != device:
         with cp.cuda.Device(device):
             return cp.empty(shape, dtype=_np_dtype_for(dt))
@@ -297,13 +313,9 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
             size *= e
         c.size = size
         if out is None:
-            c.out_obj = allocate(kind, shape, ov, device)
+            c.out_obj = allocate(kind, shape, ov, device, None if stream is None else s)
             c.out = _arrays.as_view(c.out_obj, f"{name}: out")
             c.allocated = True
-            if (kind == "torch" and stream is not None
-                    and s != _launch.current_stream("torch", device)):
-                torch = sys.modules["torch"]
-                c.out_obj.record_stream(torch.cuda.ExternalStream(s, device=device))
         else:
             if _arrays.resolve_device(ov, device) != device:
                 raise ValueError(

@@ -75,4 +75,5 @@ class Graph:
         if stream is None:
             self._graph.launch()
         else:
-            self._graph.launch(cp.cuda.ExternalStream(_launch.resolve_stream(stream)))
+            self._graph.launch(_launch.cupy_stream(_launch.resolve_stream(stream),
+                                                   cp.cuda.runtime.getDevice()))

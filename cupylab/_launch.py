@@ -12,11 +12,12 @@ import ctypes
 import struct
 import sys
 import threading
+import warnings
 
 from . import _compile, _runtime
 
-__all__ = ["Kernel", "resolve_stream", "current_stream", "wait_for", "ensure_device",
-           "streaming_smem"]
+__all__ = ["Kernel", "resolve_stream", "current_stream", "cupy_stream", "wait_for",
+           "ensure_device", "streaming_smem"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -41,6 +42,25 @@ def resolve_stream(stream) -> int:
     raise TypeError(
         "stream must be an int handle, a CuPy or torch stream, or an object with "
         f"__cuda_stream__ (got {type(stream).__module__}.{type(stream).__qualname__})")
+
+
+_cupy_streams: dict = {}
+
+
+def cupy_stream(ptr: int, device: int):
+    """A CuPy stream object for the raw handle ``ptr`` on ``device`` (to make it CuPy's current
+    stream: an allocation then comes from the memory pool's free list for that stream, and
+    its memory goes back there). The wrappers own nothing and are kept (a few per process)."""
+    key = (ptr, device)
+    st = _cupy_streams.get(key)
+    if st is None:
+        cp = _runtime.cupy()
+        if len(_cupy_streams) > 64:
+            _cupy_streams.clear()
+        with warnings.catch_warnings():  # CuPy 14 deprecates the class, not what it does
+            warnings.simplefilter("ignore", DeprecationWarning)
+            st = _cupy_streams[key] = cp.cuda.ExternalStream(ptr, device)
+    return st
 
 
 _torch_raw_stream = None

@@ -120,6 +120,7 @@ class Sim:
     def __init__(self, monkeypatch):
         self.calls = []
         self.allocated = []
+        self.alloc_streams = []
         monkeypatch.setattr(_runtime, "pointer_device", lambda p: 0)
         monkeypatch.setattr(_runtime, "current_device", lambda: 0)
         monkeypatch.setattr(_runtime, "device_info",
@@ -137,9 +138,10 @@ class Sim:
         args = struct.unpack_from(k._struct.format, k._tls.bp[0])
         self.calls.append((k.name_expression, (gx, gy, gz), stream, args))
 
-    def _allocate(self, kind, shape, dt, device):
+    def _allocate(self, kind, shape, dt, device, stream=None):
         a = FakeCAI(shape, dt.typestr, ptr=0x7E0000000000 + 4096 * len(self.allocated))
         self.allocated.append(a)
+        self.alloc_streams.append(stream)
         return a
 
 
@@ -216,6 +218,9 @@ def test_partial_overlap_computes_through_a_temporary(sim):
     out = cai((99,), "<f4", BASE + 4)
     cupylab.add(cai((99,), "<f4", BASE), y, out=out)
     assert len(sim.allocated) == 1 and len(sim.calls) == 2
+    # the temporary is dropped when the call returns: its memory goes back behind the
+    # call's stream (allocate's stream), not under the two kernels still queued there
+    assert sim.alloc_streams == [7]
     (n1, _, s1, a1), (n2, _, s2, a2) = sim.calls
     tmp = sim.allocated[0].__cuda_array_interface__["data"][0]
     assert ", 0, " in n1 and a1[0] == tmp

@@ -26,6 +26,7 @@ import weakref
 from collections import OrderedDict
 
 from .. import _compile, _dtypes, _launch, _runtime
+from .._elementwise_core import allocate
 
 BLOCK = 256
 MIN_CHUNK = 2048
@@ -354,7 +355,8 @@ def _upload_plan(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stre
             "CUDA graph capture (its table is uploaded then); run the call once before "
             "capturing (a warm-up step)")
     with cp.cuda.Device(device):
-        buf = cp.empty(total, dtype=cp.uint8)
+        # the pool takes the memory back behind the work on ``stream``, which reads the table
+        buf = allocate("cupy", (total,), _dtypes.from_name("uint8"), device, stream)
         up = _Upload.start(cp, buf.data.ptr, blob, stream) if blob else None
     base = buf.data.ptr
     plan = Plan()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 
 from .. import _arrays, _compile, _dtypes, _launch, _runtime
 from .._elementwise_core import allocate, c_strides, check_overlap, coalesce, finish_output
@@ -406,11 +405,8 @@ def overlap(opname, out, out_name, inputs):
 
 def new_array(c, shape, dt):
     """A new C-contiguous array in the caller's framework, and its View."""
-    obj = allocate(c.kind, tuple(shape), dt, c.device)
-    if (c.kind == "torch" and c.explicit_stream is not None
-            and c.stream != _launch.current_stream("torch", c.device)):
-        torch = sys.modules["torch"]
-        obj.record_stream(torch.cuda.ExternalStream(c.stream, device=c.device))
+    obj = allocate(c.kind, tuple(shape), dt, c.device,
+                   None if c.explicit_stream is None else c.stream)
     return obj, _arrays.as_view(obj, "output")
 
 

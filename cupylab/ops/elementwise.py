@@ -324,7 +324,8 @@ def _through_temporary(kop, c):
     """``out`` partially overlaps an input: compute into a temporary of ``out``'s dtype, then
     copy it into ``out`` (NumPy's answer), both on the call's stream."""
     final = c.out
-    tmp = allocate("torch" if c.kind == "torch" else "cupy", c.shape, final.dtype, c.device)
+    tmp = allocate("torch" if c.kind == "torch" else "cupy", c.shape, final.dtype, c.device,
+                   c.stream)
     tv = as_view(tmp, "temporary")
     c.out = tv
     _launch_plan(plan(kop, c), c)

@@ -260,12 +260,14 @@ def _ew_kernel(op, inplace):
     return lambda sig: P.kernel("foreach", P.ew_name(op, sig[0], inplace))
 
 
-def _alloc_like(opname, xs, plan):
+def _alloc_like(opname, xs, plan, stream):
+    """New arrays shaped like ``xs`` for the outputs; ``stream``: a ``stream=`` argument's
+    handle, or None (see :func:`~cupylab._elementwise_core.allocate`)."""
+    kind = plan.kind if plan.kind in ("torch", "cupy") else "cupy"
     outs = []
     for x in xs:
         v = _arrays.as_view(x, f"{opname}: x")
-        outs.append(allocate(plan.kind if plan.kind in ("torch", "cupy") else "cupy", v.shape,
-                             v.dtype, plan.device))
+        outs.append(allocate(kind, v.shape, v.dtype, plan.device, stream))
     return outs
 
 
@@ -308,7 +310,7 @@ def _out_of_place(opname, xs, other, out, stream, list_op, scalar_op, alpha=None
             return []
         plan, s = resolve(opname, ["tensors"], [xs], 0, stream=stream)
         with _launch.ensure_device(plan.device):
-            out = _alloc_like(opname, xs, plan)
+            out = _alloc_like(opname, xs, plan, None if stream is None else s)
         _binary(opname, xs, other, out, stream, list_op, scalar_op, alpha, free=(0,))
         return _finish_list(plan, out, s)
     _binary(opname, xs, other, out, stream, list_op, scalar_op, alpha)
@@ -402,7 +404,7 @@ def lerp(tensors, ends, weight, *, out=None, stream=None):
     if out is None:
         plan, s = resolve("foreach.lerp", ["tensors"], [tensors], 0, stream=stream)
         with _launch.ensure_device(plan.device):
-            out = _alloc_like("foreach.lerp", tensors, plan)
+            out = _alloc_like("foreach.lerp", tensors, plan, None if stream is None else s)
         fresh = True
     else:
         fresh = False
@@ -457,9 +459,10 @@ def _result_dtype(plan):
                              else "float32")
 
 
-def _new(plan, shape, dt):
+def _new(plan, shape, dt, s, stream):
+    """A new result array; ``s`` the launch stream, ``stream`` the call's ``stream=``."""
     kind = plan.kind if plan.kind in ("torch", "cupy") else "cupy"
-    return allocate(kind, shape, dt, plan.device)
+    return allocate(kind, shape, dt, plan.device, None if stream is None else s)
 
 
 def norm(tensors, *, stream=None):
@@ -490,7 +493,7 @@ def norm(tensors, *, stream=None):
     if plan is None:
         raise ValueError("foreach.norm: tensors is empty")
     with _launch.ensure_device(plan.device):
-        out = _new(plan, (), _result_dtype(plan))
+        out = _new(plan, (), _result_dtype(plan), s, stream)
         ptr = _arrays.as_view(out).ptr
         _norm_launch(plan, s, 0, ptr, 0)
     return finish_output(plan.kind, out, s, plan.device) if plan.kind not in ("torch", "cupy") \
@@ -504,7 +507,7 @@ def norms(tensors, *, stream=None):
     if plan is None:
         raise ValueError("foreach.norms: tensors is empty")
     with _launch.ensure_device(plan.device):
-        out = _new(plan, (plan.n,), _result_dtype(plan))
+        out = _new(plan, (plan.n,), _result_dtype(plan), s, stream)
         _norm_launch(plan, s, _arrays.as_view(out).ptr, 0, 0)
     return finish_output(plan.kind, out, s, plan.device) if plan.kind not in ("torch", "cupy") \
         else out
@@ -529,7 +532,7 @@ def clip_by_global_norm_(tensors, max_norm, *, eps=1e-6, stream=None):
     if plan is None:
         raise ValueError("foreach.clip_by_global_norm_: tensors is empty")
     with _launch.ensure_device(plan.device):
-        out = _new(plan, (), _result_dtype(plan))
+        out = _new(plan, (), _result_dtype(plan), s, stream)
         _, coef = plan.workspace()
         _norm_launch(plan, s, 0, _arrays.as_view(out).ptr, coef, max_norm, eps)
         P.launch(plan, _ew_kernel("mul_scalar", True), _args((0.0, 1.0, 1.0), (coef,)), s)
@@ -537,10 +540,14 @@ def clip_by_global_norm_(tensors, max_norm, *, eps=1e-6, stream=None):
         else out
 
 
-def _found_inf(opname, plan, found_inf):
+def _found_inf(opname, plan, found_inf, s, stream):
+    """``(found_inf, its address)``: the caller's flag, or a new one zeroed on the launch
+    stream ``s`` (``stream``: the call's ``stream=``)."""
     if found_inf is None:
-        found_inf = _new(plan, (1,), _result_dtype_f32())
-        _zero_scalar(found_inf, plan)
+        found_inf = _new(plan, (1,), _result_dtype_f32(), s, stream)
+        ptr = _arrays.as_view(found_inf).ptr
+        _runtime.cupy().cuda.runtime.memsetAsync(ptr, 0, 4, s)
+        return found_inf, ptr
     return found_inf, device_scalar(opname, "found_inf", found_inf, plan, writable=True)
 
 
@@ -548,13 +555,6 @@ def _result_dtype_f32():
     from .. import _dtypes  # noqa: PLC0415
 
     return _dtypes.from_name("float32")
-
-
-def _zero_scalar(a, plan):
-    if plan.kind == "torch":
-        a.zero_()
-    else:
-        a.fill(0)
 
 
 def nonfinite_check(tensors, found_inf=None, *, stream=None):
@@ -565,7 +565,7 @@ def nonfinite_check(tensors, found_inf=None, *, stream=None):
     if plan is None:
         return found_inf
     with _launch.ensure_device(plan.device):
-        found_inf, fptr = _found_inf("foreach.nonfinite_check", plan, found_inf)
+        found_inf, fptr = _found_inf("foreach.nonfinite_check", plan, found_inf, s, stream)
         P.launch(plan, lambda sig: P.kernel("foreach", P.unscale_name(sig[0], True)),
                  _args((1.0,), (0, 0, fptr)), s)
     return found_inf
@@ -582,7 +582,7 @@ def unscale_(tensors, inv_scale, found_inf=None, *, stream=None):
         return found_inf
     with _launch.ensure_device(plan.device):
         val, iptr = _scalar_or_device("foreach.unscale_", "inv_scale", inv_scale, plan)
-        found_inf, fptr = _found_inf("foreach.unscale_", plan, found_inf)
+        found_inf, fptr = _found_inf("foreach.unscale_", plan, found_inf, s, stream)
         P.launch(plan, lambda sig: P.kernel("foreach", P.unscale_name(sig[0], False)),
                  _args((val,), (iptr, 0, fptr)), s)
     return found_inf

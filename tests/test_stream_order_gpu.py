@@ -1,0 +1,62 @@
+"""On the GPU: memory cupylab allocates for a ``stream=`` launch comes from CuPy's pool for
+that stream, so once dropped it is handed out again only to work ordered behind the stream
+(an allocation on another stream never gets it while the kernel may still run), and the
+results are right on a busy side stream."""
+import numpy as np
+import pytest
+
+import cupylab
+from cupylab import foreach
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+
+def _reused_elsewhere(make, nbytes):
+    """Run ``make(stream)`` on a new non-blocking stream, drop what it returned, and say
+    whether an allocation of the same size on the legacy default stream gets its memory."""
+    side = cp.cuda.Stream(non_blocking=True)
+    out = make(side)
+    ptrs = {o.data.ptr for o in (out if isinstance(out, list) else [out])}
+    del out
+    with cp.cuda.Stream.null:
+        again = [cp.empty(nbytes, dtype=cp.uint8) for _ in range(len(ptrs))]
+    side.synchronize()
+    return bool(ptrs & {a.data.ptr for a in again})
+
+
+@pytest.mark.parametrize("op", ["add", "softmax", "foreach.add", "foreach.norm"])
+def test_memory_for_a_stream_argument_stays_with_that_stream(op):
+    rng = np.random.default_rng(7)
+    n = 3 * 2**18 + 5
+    x = cp.asarray(rng.standard_normal(n, dtype=np.float32))
+    y = cp.asarray(rng.standard_normal(n, dtype=np.float32))
+    cp.cuda.Device().synchronize()
+    makes = {
+        "add": (lambda s: cupylab.add(x, y, stream=s), 4 * n),
+        "softmax": (lambda s: cupylab.softmax(x.reshape(1, n), stream=s), 4 * n),
+        "foreach.add": (lambda s: foreach.add([x, y], [y, x], stream=s), 4 * n),
+        "foreach.norm": (lambda s: foreach.norm([x, y], stream=s), 4),
+    }
+    make, nbytes = makes[op]
+    cp.get_default_memory_pool().free_all_blocks()
+    assert not _reused_elsewhere(make, nbytes)
+
+
+def test_results_on_a_busy_side_stream_and_a_fresh_flag():
+    """A side stream with a long kernel queued ahead: the flag nonfinite_check allocates is
+    zeroed on that stream, before the check writes it (a zero on the default stream could
+    land after the write, or before the queued producer ran)."""
+    rng = np.random.default_rng(8)
+    side = cp.cuda.Stream(non_blocking=True)
+    big = cp.asarray(rng.standard_normal(2**26, dtype=np.float32))
+    with side:
+        x = cp.zeros(4097, dtype=cp.float32)
+        for _ in range(20):  # keep the side stream busy
+            big *= 1.0
+        x[17] = cp.inf
+    flag = foreach.nonfinite_check([x], stream=side)
+    total = foreach.norm([big[:1000]], stream=side)
+    side.synchronize()
+    assert float(flag[0]) == 1.0
+    np.testing.assert_allclose(float(total), np.linalg.norm(cp.asnumpy(big[:1000])), rtol=1e-5)
