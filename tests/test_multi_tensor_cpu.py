@@ -283,3 +283,88 @@ def test_dead_uploads_are_released_once_complete_and_captured_events_kept(monkey
     up.rt, up.event, up.host, up.captured = rt, 7, "pinned7", False
     del up
     assert P._parked[-1] == (rt, 7, "pinned7", False)
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    """Stand-ins for for_stream: which streams capture, the event waits asked for, and the
+    uploads made (each a new plan for its stream)."""
+    import types
+
+    from cupylab import _runtime
+
+    st = types.SimpleNamespace(capturing=set(), waits=[], uploads=[])
+    rt = types.SimpleNamespace(streamWaitEvent=lambda s, ev, flags: st.waits.append((s, ev, flags)))
+    monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(
+        cuda=types.SimpleNamespace(runtime=rt)))
+    monkeypatch.setattr(P, "capturing", lambda r, s: s in st.capturing)
+
+    def upload(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stream):
+        st.uploads.append((stream, blob))
+        return _plan(stream, rt)
+
+    monkeypatch.setattr(P, "_upload_plan", upload)
+    st.rt = rt
+    return st
+
+
+def _plan(stream, rt=None):
+    plan = P.Plan()
+    plan.device, plan.kind, plan.sizes, plan.chunk, plan.nblocks = 0, "torch", [5], 2048, 1
+    plan.layout, plan.stream, plan.siblings, plan.captured = ((), b"tables", 0), stream, {}, False
+    plan.upload = None
+    if rt is not None:
+        plan.upload = P._Upload.__new__(P._Upload)
+        plan.upload.rt, plan.upload.event, plan.upload.host = rt, ("ev", stream), None
+        plan.upload.captured = False
+    return plan
+
+
+def test_a_plan_is_launched_on_its_own_stream_and_copied_for_another(streams):
+    """Eager launches use a table uploaded on their own stream (its workspace is one stream's,
+    and its memory goes back behind that stream), one copy per stream, kept with the plan."""
+    plan = _plan(0xA, streams.rt)
+    assert P.for_stream(plan, 0xA) is plan and streams.uploads == []
+    b = P.for_stream(plan, 0xB)
+    assert b is not plan and b.stream == 0xB and streams.uploads == [(0xB, b"tables")]
+    assert P.for_stream(plan, 0xB) is b and P.for_stream(plan, 0xA) is plan
+    assert len(streams.uploads) == 1 and plan.siblings == {0xB: b} and b.siblings == {}
+    assert streams.waits == [] and not plan.captured and not b.captured
+
+
+def test_a_capture_elsewhere_waits_for_the_upload_and_marks_the_plan(streams):
+    """Nothing can be uploaded during a capture: a capture on a stream without a copy uses
+    the plan, waiting for its upload through an external event node (every replay does)."""
+    plan = _plan(0xA, streams.rt)
+    streams.capturing = {0xC, 0xA}
+    assert P.for_stream(plan, 0xC) is plan and streams.uploads == []
+    assert streams.waits == [(0xC, ("ev", 0xA), P._EVENT_WAIT_EXTERNAL)]
+    assert plan.captured and plan.upload.captured  # the event is never destroyed
+    fresh = _plan(0xA, streams.rt)
+    assert P.for_stream(fresh, 0xA) is fresh and fresh.captured  # capture on its own stream
+    assert len(streams.waits) == 1
+
+
+def test_pinned_plans_outlive_the_lru_bound_but_not_their_arrays():
+    """A plan a captured graph points into stays alive when the LRU bound drops its entry,
+    and goes when an array of its list dies."""
+    P.cache_clear()
+    mine = [_Obj(), _Obj()]
+    plan = P.Plan()
+    P.cache_put(("pin",), plan, mine)
+    ref = weakref.ref(plan)
+    P.pin(("pin",), plan)
+    P.pin(("pin",), plan)
+    assert P._pinned[("pin",)] == [plan]
+    others = [_Obj() for _ in range(P.CACHE_SIZE + 1)]
+    for i, o in enumerate(others):
+        P.cache_put(("other", i), P.Plan(), [o])
+    del plan
+    gc.collect()
+    assert P.cache_get(("pin",)) is None and ref() is not None  # out of the cache, kept
+    del mine[0]
+    gc.collect()
+    assert ref() is None and ("pin",) not in P._pinned
+    P.pin(("gone",), P.Plan())  # a list no longer cached: nothing to keep
+    assert ("gone",) not in P._pinned
+    P.cache_clear()

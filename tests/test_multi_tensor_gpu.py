@@ -458,28 +458,52 @@ def test_a_new_list_is_set_up_without_a_host_synchronisation():
     assert all(bool((y == 3).all()) for y in ys)
 
 
-def test_another_stream_waits_for_the_table_on_the_gpu():
-    """A list set up on stream a and used on stream b: b's launch is ordered after the upload
-    queued on a (an event wait on the GPU, not on the host)."""
+def test_another_stream_gets_its_own_table():
+    """A list set up on stream a and used on stream b gets a copy of its table uploaded on b:
+    b's work does not wait for a (where a spinning kernel holds the first upload back), the
+    host never waits, and each stream keeps its own table (one workspace per stream; memory
+    that goes back behind the stream that used it)."""
     torch = pytest.importorskip("torch")
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
-    ys = [torch.zeros(n, device="cuda") for n in (7, 3000)]
+    ys = [torch.ones(n, device="cuda") for n in (7, 3000)]
     zs = [torch.zeros(n, device="cuda") for n in (7, 3000)]
+    foreach.zero_(zs)  # the kernel compiled and loaded first
     torch.cuda.synchronize()
-    foreach.zero_(zs)  # a plan for another list: this test's list is new below
     _busy(torch, a)
     with torch.cuda.stream(a):
-        foreach.zero_(ys)  # new list: its table is uploaded on a, behind the spinning kernel
+        foreach.norm(ys)  # a new list: its table is uploaded on a, behind the spinning kernel
     plan = next(p for p in list(P._cache.values()) if p.stream == a.cuda_stream)
-    assert plan.upload is not None
     with torch.cuda.stream(b):
-        foreach.zero_(ys)  # the same list on b: b must wait for a's upload
-    assert not b.query()  # b's tiny kernel is held back behind the upload on a
-    assert not a.query()  # and the host never waited
+        total = foreach.norm(ys)  # the same list on b
+    assert set(plan.siblings) == {b.cuda_stream}
+    b.synchronize()  # done while a still spins: b waited for nothing on a
+    assert not a.query()
+    assert float(total) == pytest.approx(3007 ** 0.5, rel=1e-6)
+    with torch.cuda.stream(b):
+        foreach.norm(ys)
+    assert set(plan.siblings) == {b.cuda_stream}  # no new copy
     torch.cuda.synchronize()
-    with torch.cuda.stream(b):
-        foreach.zero_(ys)  # once the upload is seen complete, no more waiting
-    assert plan.upload is None
+
+
+def test_a_captured_plan_outlives_the_cache_bound():
+    """A graph captured on a stream the list was never used on eagerly points into the
+    list's first table: it stays alive however many other lists push it out of the cache,
+    and the replays stay right."""
+    torch = pytest.importorskip("torch")
+    xs = [torch.full((n,), 2.0, device="cuda") for n in (5, 70001)]
+    foreach.scale_(xs, 1.0)  # set up eagerly, on the current stream
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        foreach.scale_(xs, 0.5)
+    assert any(p.captured for kept in P._pinned.values() for p in kept)
+    others = [[torch.ones(3, device="cuda")] for _ in range(P.CACHE_SIZE + 5)]
+    for o in others:
+        foreach.scale_(o, 1.0)  # the list's entry leaves the LRU cache
+    for x in xs:
+        x.fill_(8.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(bool((x == 4.0).all()) for x in xs)
 
 
 def test_a_new_list_during_capture_is_refused_clearly():

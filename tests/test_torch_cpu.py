@@ -684,11 +684,11 @@ def sgd_launches(monkeypatch):
     from cupylab.torch import optim as O
 
     class Plan:
-        device = 0
+        device, captured = 0, False
 
     seen = []
     monkeypatch.setattr(O.F, "_validate", lambda *a, **k: (Plan(), 0))
-    monkeypatch.setattr(O.P, "ready", lambda plan, s: None)
+    monkeypatch.setattr(O.P, "for_stream", lambda plan, s: plan)
     monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0)
     monkeypatch.setattr(_optim, "sgd_launch", lambda name, plan, s, **kw: seen.append(kw))
@@ -725,6 +725,32 @@ def test_sgd_dampening_keeps_the_first_step_rules(sgd_launches):
     b.grad = torch.ones(2)
     with pytest.raises(ValueError, match="with dampening, some parameters"):
         opt2.step()
+
+
+def test_optimizer_keeps_the_tables_a_captured_step_points_into(sgd_launches, monkeypatch):
+    """A plan launched during a CUDA graph capture stays with the optimizer after its groups'
+    tables are rebuilt (new parameters, a loaded state): the graph replays into it."""
+    O, seen = sgd_launches
+    captured = []
+
+    def for_stream(plan, s):
+        plan.captured = bool(captured)
+        return plan
+
+    monkeypatch.setattr(O.P, "for_stream", for_stream)
+    a = torch.nn.Parameter(torch.ones(3))
+    opt = O.SGD([a], lr=0.1)
+    a.grad = torch.ones(3)
+    opt.step()  # builds the table
+    opt.step()
+    assert opt._cl_captured == []
+    captured.append(True)
+    opt.step()  # "during a capture"
+    opt.step()
+    plan = opt._cl_plans[0][2]
+    assert len(opt._cl_captured) == 1 and opt._cl_captured[0] is plan
+    opt.load_state_dict(opt.state_dict())  # tables dropped and rebuilt later
+    assert opt._cl_plans == {} and opt._cl_captured == [plan]
 
 
 # -- torch optimizers: checkpoints, late groups, late parameters (no launch) -------------------
@@ -765,10 +791,10 @@ def test_adam_warns_when_a_parameter_joins_a_counted_group(monkeypatch):
     from cupylab.torch import optim as O
 
     class Plan:
-        device = 0
+        device, captured = 0, False
 
     monkeypatch.setattr(O.F, "_validate", lambda *a, **k: (Plan(), 0))
-    monkeypatch.setattr(O.P, "ready", lambda plan, s: None)
+    monkeypatch.setattr(O.P, "for_stream", lambda plan, s: plan)
     monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0)
     monkeypatch.setattr(_optim, "adam_launch", lambda *a, **k: None)

@@ -4,9 +4,10 @@
 Table layout (see ``cuda_src/cupylab_multi_tensor.cuh``): per tensor ``NL`` data pointers
 (0 for an absent slot) and ``n | ALIGNED_BIT``; per block an ``int2`` ``(tensor, chunk)``;
 per tensor an ``int2`` ``[first block, end block)`` into the norm partials. Tensors are grouped
-by their dtypes (one launch per group); one upload of one buffer per list, on the caller's
-stream from pinned memory, without a host synchronisation (a launch on another stream waits
-for it on the GPU: :func:`ready`); per call the host packs 15 numbers per group and launches.
+by their dtypes (one launch per group); one upload of one buffer per list and stream, on that
+stream from pinned memory, without a host synchronisation (:func:`for_stream`: a plan is
+launched only on the stream it was uploaded on, except into a CUDA graph captured elsewhere);
+per call the host packs 15 numbers per group and launches.
 :func:`repoint` patches one list's addresses into a copy of a table (an optimizer's new
 gradient tensors). Chunks of ``chunk`` elements (a power of two between
 :data:`MIN_CHUNK` and :data:`MAX_CHUNK`, chosen so that the launch has at least about 16
@@ -16,7 +17,8 @@ SMs alike. Element offsets are 64-bit.
 Cache: keyed on the identity of the arrays (``id``) plus, for torch, their data pointers (a
 tensor's storage can be swapped under the same object); each entry holds weak references to
 its arrays whose callbacks drop the entry when any of them dies, so a key can never match a
-dead array's recycled ``id``, and the cache owns no array. Bounded (LRU, :data:`CACHE_SIZE`).
+dead array's recycled ``id``, and the cache owns no array. Bounded (LRU, :data:`CACHE_SIZE`);
+a plan that a captured graph points into is kept past the bound (:func:`pin`).
 """
 from __future__ import annotations
 
@@ -202,7 +204,8 @@ class Plan:
     """The packed, uploaded metadata of one call's lists (see the module docstring)."""
 
     __slots__ = ("device", "kind", "n", "sizes", "groups", "chunk", "nblocks", "tb_ptr", "buf",
-                 "stream", "partial", "scratch", "refs", "upload", "layout", "__weakref__")
+                 "stream", "partial", "scratch", "refs", "upload", "layout", "siblings",
+                 "captured", "__weakref__")
 
     def workspace(self):
         """Device addresses ``(partials, scratch)``: one float64 per block for the norms, and
@@ -316,23 +319,38 @@ def capturing(rt, stream):
         return True
 
 
-def ready(plan, stream):
-    """Before launching ``plan`` on ``stream``: its table upload was queued on ``plan.stream``,
-    which orders it before any later launch there. Another stream is made to wait for the
-    upload on the GPU (``cudaStreamWaitEvent``; during a graph capture as an external event
-    node, so every replay waits for it) until the upload is seen complete. The host never
+def for_stream(plan, stream):
+    """The plan to launch on ``stream``, given the plan a list was set up with.
+
+    A plan is launched on the stream it was uploaded on (``plan.stream``): its upload is
+    ordered before the launch, its workspace is used by one stream at a time, and its memory,
+    which came from the pool of that stream, goes back behind the stream's last launch. A list
+    used on another stream gets a copy of its tables uploaded there, kept in
+    ``plan.siblings`` (one per stream; they die with ``plan``). During a CUDA graph capture
+    on a stream without a copy (nothing can be uploaded then), the capture waits for
+    ``plan``'s upload through an external event node, so every replay is ordered after it.
+    A plan launched during a capture is marked ``captured``: the graph points into it, so the
+    caller keeps it alive as long as the list's arrays live (:func:`pin`). The host never
     waits."""
-    up = plan.upload
-    if up is None or stream == plan.stream:
-        return
-    rt = up.rt
-    if capturing(rt, stream):
-        rt.streamWaitEvent(stream, up.event, _EVENT_WAIT_EXTERNAL)
-        up.captured = True
-    elif up.done():
-        plan.upload = None
-    else:
-        rt.streamWaitEvent(stream, up.event, 0)
+    cap = capturing(_runtime.cupy().cuda.runtime, stream)
+    if stream != plan.stream:
+        sib = plan.siblings.get(stream)
+        if sib is not None:
+            plan = sib
+        elif cap:
+            up = plan.upload
+            if up is not None:
+                up.rt.streamWaitEvent(stream, up.event, _EVENT_WAIT_EXTERNAL)
+                up.captured = True
+        else:
+            groups, blob, tb_off = plan.layout
+            sib = plan.siblings[stream] = _upload_plan(
+                plan.device, plan.kind, plan.sizes, plan.chunk, groups, blob, tb_off,
+                plan.nblocks, stream)
+            plan = sib
+    if cap:
+        plan.captured = True
+    return plan
 
 
 def build(slot_views, sizes, device, kind, stream, chunk=None):
@@ -365,6 +383,7 @@ def _upload_plan(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stre
     plan.partial, plan.scratch = base + ws_off, base + ws_off + 8 * max(nblocks, 1)
     plan.refs = None
     plan.upload = up
+    plan.siblings, plan.captured = {}, False
     plan.layout = (groups, blob, tb_off)
     plan.groups = []
     for sig, idx, toff, moff, nb, first in groups:
@@ -462,12 +481,28 @@ _lock = threading.RLock()  # a weakref callback may run inside a locked section
 stats = {"hits": 0, "misses": 0, "evicted_dead": 0}
 
 
+# plans a CUDA graph points into, by cache key: kept past the LRU bound until an array of
+# their list dies (a graph replayed after that would touch dead arrays anyway)
+_pinned: dict = {}
+
+
 def _evict(key):
     def cb(_ref, key=key):
         with _lock:
+            _pinned.pop(key, None)
             if _cache.pop(key, None) is not None:
                 stats["evicted_dead"] += 1
     return cb
+
+
+def pin(key, plan):
+    """Keep ``plan`` (launched during a capture, :func:`for_stream`) as long as the arrays of
+    the cached list ``key`` live, whatever the LRU bound drops."""
+    with _lock:
+        if key in _cache:  # else an array died already: nothing left to replay into
+            kept = _pinned.setdefault(key, [])
+            if not any(p is plan for p in kept):
+                kept.append(plan)
 
 
 def cache_get(key):
@@ -497,6 +532,7 @@ def cache_put(key, plan, objects):
 def cache_clear():
     with _lock:
         _cache.clear()
+        _pinned.clear()
 
 
 def cache_len():

@@ -215,7 +215,9 @@ def resolve(opname, names, lists, writes, *, same_dtype=None, stream=None, inpla
         if plan is not None:
             with _launch.ensure_device(plan.device):
                 s = _launch.current_stream(plan.kind, plan.device)
-            P.ready(plan, s)
+                plan = P.for_stream(plan, s)
+            if plan.captured:
+                P.pin(key, plan)
             return plan, s
     r = _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs, free)
     if r is None:

@@ -82,6 +82,7 @@ class _Fused:
     def _cl_setup(self, master_weights):
         self._cl_plans = {}
         self._cl_steps = {}
+        self._cl_captured = []  # plans that CUDA graphs point into (P.for_stream)
         self.defaults["master_weights"] = bool(master_weights)
         for g in self.param_groups:
             g.setdefault("master_weights", bool(master_weights))
@@ -148,10 +149,12 @@ class _Fused:
             plan = hit[2]
             with _launch.ensure_device(plan.device):
                 s = _launch.current_stream("torch", plan.device)
-            if hit[1] != kg:  # new gradient tensors (zero_grad(set_to_none=True)): repoint
-                plan = P.repoint(plan, 1, kg, s)
-                self._cl_plans[gi] = (kp, kg, plan)
-            P.ready(plan, s)
+                if hit[1] != kg:  # new gradient tensors (zero_grad(set_to_none=True)): repoint
+                    plan = P.repoint(plan, 1, kg, s)
+                    self._cl_plans[gi] = (kp, kg, plan)
+                plan = P.for_stream(plan, s)
+            if plan.captured and not any(p is plan for p in self._cl_captured):
+                self._cl_captured.append(plan)  # a graph points into it: keep it
             return plan, s, params
         for p, g in zip(params, grads):
             if g.is_sparse:
