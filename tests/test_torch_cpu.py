@@ -770,6 +770,27 @@ def test_adam_keeps_master_weights_when_loading_a_torch_checkpoint():
     torch.testing.assert_close(st["exp_avg"], ref.state[p]["exp_avg"].float())
 
 
+def test_a_loaded_master_copy_that_does_not_round_to_its_parameter_is_made_again():
+    """cupylab -> torch -> cupylab: torch's steps move the bf16 parameter and carry the
+    master copy along untouched; on the way back the stale copy must not win."""
+    from cupylab.torch import optim as O
+
+    p = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
+    ref = torch.optim.Adam([p], lr=1e-3)
+    p.grad = torch.randn(8).to(torch.bfloat16)
+    ref.step()
+    sd = ref.state_dict()
+    fresh = p.detach().float() + 2.0 ** -12 * p.detach().float()  # rounds to p: a true copy
+    sd["state"][0]["master_param"] = fresh.clone()
+    opt = O.Adam([p], lr=1e-3, master_weights=True)
+    opt.load_state_dict(sd)
+    torch.testing.assert_close(opt.state[p]["master_param"], fresh, rtol=0, atol=0)
+    sd["state"][0]["master_param"] = p.detach().float() + 1.0  # the parameter moved without it
+    opt.load_state_dict(sd)
+    torch.testing.assert_close(opt.state[p]["master_param"], p.detach().float(), rtol=0, atol=0)
+    assert opt.state[p]["exp_avg"].dtype == torch.float32
+
+
 def test_adam_refuses_amsgrad_added_or_loaded_later():
     from cupylab.torch import optim as O
 

@@ -15,7 +15,10 @@ Differences from torch
 * ``amsgrad`` is not supported (``ValueError``, also for groups added or loaded later).
 * ``master_weights=True`` keeps float32 master copies (and float32 states) for bfloat16 /
   float16 parameters (state key ``"master_param"``); loading a state saved without them (a
-  torch optimizer's) keeps the setting and makes the master copies from the parameters.
+  torch optimizer's) keeps the setting and makes the master copies from the parameters. A
+  loaded master copy that does not round to its parameter is stale (the parameter was
+  changed without it, e.g. by a torch optimizer that carried the state through a round
+  trip): it is made again from the parameter.
 * ``capturable=True`` keeps the step on the GPU: a whole training step can be captured in a
   CUDA graph once one eager step has built the launch tables. ``lr`` may be a one-element
   float32 CUDA tensor.
@@ -213,6 +216,12 @@ class _Fused:
                     v = sv.get(k)
                     if isinstance(v, torch.Tensor):
                         st[k] = v.to(device=p.device, dtype=torch.float32).clone()
+                m = st.get("master_param")
+                if isinstance(m, torch.Tensor) and not torch.equal(m.to(p.dtype), p.detach()):
+                    # every step writes the parameter from its master copy, so a copy that
+                    # does not round to it is stale: the parameter moved without it (steps of
+                    # a torch optimizer that carried the state along, or an assignment)
+                    st["master_param"] = p.detach().float().clone()
         for g in self.param_groups:  # master groups loaded from a state without master copies
             for p in g["params"]:
                 st = self.state.get(p)
