@@ -64,6 +64,29 @@ def _run(mine_cls, ref_cls, kw, dtype, steps=100, ref_kw=None, tol=(1e-5, 1e-5))
     return o1, o2, a, b
 
 
+@pytest.mark.parametrize("capturable", [False, True])
+def test_adam_late_and_skipping_parameters_match_torch(capturable):
+    """Per-parameter step counts: parameter 2 gets its first gradient at step 6, parameter 4
+    has none at steps 10-12; torch's bias correction for each (cupylab: one launch per step
+    cohort)."""
+    a = _params(torch.float32)
+    b = _clone(a)
+    o1 = _clo().Adam(a, lr=1e-2, capturable=capturable)
+    o2 = torch.optim.Adam(b, lr=1e-2, capturable=capturable)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for step in range(1, 31):
+        _set_grads(gen, a, b, torch.float32)
+        for ps in (a, b):
+            if step < 6:
+                ps[2].grad = None
+            if 10 <= step <= 12:
+                ps[4].grad = None
+        o1.step()
+        o2.step()
+    _compare(a, b, torch.float32, 1e-5, 1e-5)
+    assert [float(o1.state[p]["step"]) for p in a] == [float(o2.state[p]["step"]) for p in b]
+
+
 @pytest.mark.parametrize("kw", ADAM_CASES)
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])
 def test_adam_fp32_100_steps_match_torch(name, kw):

@@ -747,7 +747,7 @@ def test_optimizer_keeps_the_tables_a_captured_step_points_into(sgd_launches, mo
     captured.append(True)
     opt.step()  # "during a capture"
     opt.step()
-    plan = opt._cl_plans[0][2]
+    plan = opt._cl_plans[0][2][0][0]
     assert len(opt._cl_captured) == 1 and opt._cl_captured[0] is plan
     opt.load_state_dict(opt.state_dict())  # tables dropped and rebuilt later
     assert opt._cl_plans == {} and opt._cl_captured == [plan]
@@ -805,7 +805,10 @@ def test_adam_refuses_amsgrad_added_or_loaded_later():
     assert not opt.param_groups[0]["amsgrad"]
 
 
-def test_adam_warns_when_a_parameter_joins_a_counted_group(monkeypatch):
+@pytest.fixture
+def adam_launches(monkeypatch):
+    """cupylab.torch.optim.Adam with the launches recorded: per launch the parameters of its
+    plan and the step count it was given (no GPU)."""
     import contextlib
 
     from cupylab import _launch, optim as _optim
@@ -814,19 +817,67 @@ def test_adam_warns_when_a_parameter_joins_a_counted_group(monkeypatch):
     class Plan:
         device, captured = 0, False
 
-    monkeypatch.setattr(O.F, "_validate", lambda *a, **k: (Plan(), 0))
+    def validate(opname, names, lists, *a, **k):
+        plan = Plan()
+        plan.params = [p.data_ptr() for p in lists[0]]
+        return plan, 0
+
+    seen = []
+    monkeypatch.setattr(O.F, "_validate", validate)
     monkeypatch.setattr(O.P, "for_stream", lambda plan, s: plan)
     monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0)
-    monkeypatch.setattr(_optim, "adam_launch", lambda *a, **k: None)
+    monkeypatch.setattr(_optim, "adam_launch",
+                        lambda name, plan, s, step, **k: seen.append((plan.params, step)))
+    return O, seen
+
+
+def test_adam_counts_steps_per_parameter_as_torch_does(adam_launches):
+    """A parameter whose first gradient comes late, or that skips a step, keeps torch's count
+    (its own cohort: one more launch while the counts differ); cohorts with equal counts share
+    a counter again after a rebuild."""
+    O, seen = adam_launches
     a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
     opt = O.Adam([a, b], lr=1e-3)
     a.grad = torch.ones(3)
     opt.step()
     opt.step()
+    assert seen == [([a.data_ptr()], 1.0), ([a.data_ptr()], 2.0)]
     b.grad = torch.ones(2)
-    with pytest.warns(UserWarning, match="first gradient at step 3"):
-        opt.step()
+    seen.clear()
+    opt.step()  # a's third step, b's first: two cohorts
+    assert sorted(seen, key=lambda r: r[1]) == [([b.data_ptr()], 1.0), ([a.data_ptr()], 3.0)]
+    assert float(opt.state[a]["step"]) == 3.0 and float(opt.state[b]["step"]) == 1.0
+    a.grad = None
+    seen.clear()
+    opt.step()  # a has no gradient: left out, its count stays 3
+    assert seen == [([b.data_ptr()], 2.0)] and float(opt.state[a]["step"]) == 3.0
+    a.grad = torch.ones(3)
+    seen.clear()
+    opt.step()  # a: 4, b: 3
+    assert sorted(seen, key=lambda r: r[1]) == [([b.data_ptr()], 3.0), ([a.data_ptr()], 4.0)]
+    sd = opt.state_dict()
+    assert [float(sd["state"][i]["step"]) for i in (0, 1)] == [4.0, 3.0]
+    sd["state"][1]["step"] = torch.tensor(4.0)  # counts that are equal share one counter
+    opt.load_state_dict(sd)
+    seen.clear()
+    opt.step()
+    assert seen == [([a.data_ptr(), b.data_ptr()], 5.0)]
+    assert opt.state[a]["step"] is opt.state[b]["step"]
+
+
+def test_adam_loads_a_torch_state_with_different_counts(adam_launches):
+    O, seen = adam_launches
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    ref = torch.optim.Adam([a, b], lr=1e-3)
+    a.grad = torch.ones(3)
+    ref.step()
+    b.grad = torch.ones(2)
+    ref.step()
+    opt = O.Adam([a, b], lr=1e-3)
+    opt.load_state_dict(ref.state_dict())  # a counts 2, b counts 1: no longer refused
+    opt.step()
+    assert sorted(seen, key=lambda r: r[1]) == [([b.data_ptr()], 2.0), ([a.data_ptr()], 3.0)]
 
 
 @pytest.mark.parametrize("name", ["Adam", "SGD", "Lion"])

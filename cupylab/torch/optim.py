@@ -6,12 +6,12 @@ torch's optimizers and back. :class:`Lion` is a plain ``torch.optim.Optimizer``.
 
 Differences from torch
 ----------------------
-* One step counter per param group (every parameter of a group shares it; torch keeps one
-  per parameter, equal while every parameter gets a gradient from the first step on).
-  ``state_dict()`` writes one copy per parameter; loading a state whose steps differ inside a
-  group raises ``ValueError``. A parameter whose first gradient arrives later joins the
-  group's count, so Adam's bias correction of its first updates differs from torch's (a
-  ``UserWarning`` says so); give such parameters their own group to match torch.
+* Step counts as torch's (one per parameter), kept as one counter per *cohort*: the
+  parameters of a group whose counts are equal share one counter tensor and one launch per
+  dtype group. A parameter whose first gradient comes later, or that has no gradient for some
+  steps (it is then left out, as torch leaves it), forms a cohort of its own: one more launch
+  while the counts differ. ``state_dict()`` writes one count per parameter and any counts
+  load.
 * ``amsgrad`` is not supported (``ValueError``, also for groups added or loaded later).
 * ``master_weights=True`` keeps float32 master copies (and float32 states) for bfloat16 /
   float16 parameters (state key ``"master_param"``); loading a state saved without them (a
@@ -33,7 +33,6 @@ of params and grads (to detect reallocated gradients), then one launch per dtype
 from __future__ import annotations
 
 import operator
-import warnings
 
 import torch
 
@@ -80,11 +79,9 @@ class _Fused:
     _cl_state_keys: tuple = ()
     _cl_name = "optim"
     _cl_step_matters = False  # the update depends on the step count (bias correction)
-    _cl_late_warned = False
 
     def _cl_setup(self, master_weights):
         self._cl_plans = {}
-        self._cl_steps = {}
         self._cl_captured = []  # plans that CUDA graphs point into (P.for_stream)
         self.defaults["master_weights"] = bool(master_weights)
         for g in self.param_groups:
@@ -102,31 +99,21 @@ class _Fused:
     def _cl_init_state(self, group, p, st):
         raise NotImplementedError
 
-    def _cl_group_step(self, gi, group, params, capturable):
-        """The group's shared step tensor (created, or unified from loaded per-param steps)."""
-        st = self._cl_steps.get(gi)
-        if st is not None:
-            return st
-        steps = [self.state[p]["step"] for p in params if "step" in self.state[p]]
-        if steps:
-            vals = {float(s) for s in steps}
-            if len(vals) > 1:
-                raise ValueError(
-                    f"cupylab.torch.optim: the parameters of group {gi} have different step "
-                    f"counts {sorted(vals)}; cupylab keeps one step per group")
-            v = vals.pop()
-        else:
-            v = 0.0
-        dev = params[0].device if capturable else torch.device("cpu")
-        st = torch.tensor(v, dtype=torch.float32, device=dev)
-        for p in group["params"]:
-            if p in self.state and self.state[p]:
-                self.state[p]["step"] = st
-        self._cl_steps[gi] = st
-        return st
+    def _cl_cohorts(self, params):
+        """Index lists of ``params`` by step count: one list when the update ignores the count
+        (``[None]``: all of them), else one per distinct count (a new parameter counts 0)."""
+        if not self._cl_step_matters:
+            return [None]
+        by_count: dict = {}
+        for i, p in enumerate(params):
+            st = self.state[p].get("step") if p in self.state else None
+            by_count.setdefault(0.0 if st is None else float(st), []).append(i)
+        return list(by_count.items())
 
     def _cl_plan(self, gi, group):
-        """``(plan, stream, params)`` for the group's params with gradients, or None."""
+        """``(stream, units)`` for the group's params with gradients, or None. ``units``: per
+        step cohort ``(plan, step)``, ``step`` the cohort's counter (None for optimizers whose
+        update ignores the count)."""
         params = group["params"]
         # the O(len(params)) reads of every step (and, for new gradient tensors, their layout
         # check), without the __torch_function__ lookup that Parameter (a tensor subclass)
@@ -148,34 +135,59 @@ class _Fused:
             if hit is not None and not (hit[0] == kp and (
                     hit[1] == kg or _same_layout(params, grads, kp, kg))):
                 hit = None
-        if hit is not None:
-            plan = hit[2]
-            with _launch.ensure_device(plan.device):
-                s = _launch.current_stream("torch", plan.device)
-                if hit[1] != kg:  # new gradient tensors (zero_grad(set_to_none=True)): repoint
-                    plan = P.repoint(plan, 1, kg, s)
-                    self._cl_plans[gi] = (kp, kg, plan)
+        if hit is None:
+            return self._cl_build(gi, group, params, grads, kp, kg)
+        units = hit[2]
+        dev = units[0][0].device
+        out = []
+        with _launch.ensure_device(dev):
+            s = _launch.current_stream("torch", dev)
+            if hit[1] != kg:  # new gradient tensors (zero_grad(set_to_none=True)): repoint
+                units = [(P.repoint(plan, 1, kg if idx is None else [kg[i] for i in idx], s),
+                          idx, ps, st) for plan, idx, ps, st in units]
+                self._cl_plans[gi] = (kp, kg, units)
+            for plan, _, _, st in units:
                 plan = P.for_stream(plan, s)
-            if plan.captured and not any(p is plan for p in self._cl_captured):
-                self._cl_captured.append(plan)  # a graph points into it: keep it
-            return plan, s, params
+                if plan.captured and not any(q is plan for q in self._cl_captured):
+                    self._cl_captured.append(plan)  # a graph points into it: keep it
+                out.append((plan, st))
+        return s, out
+
+    def _cl_build(self, gi, group, params, grads, kp, kg):
+        """The miss path of :meth:`_cl_plan`: states made, lists validated, one plan per step
+        cohort. Each cohort gets a counter of its own (a CPU tensor until a capturable step
+        moves it), shared by its parameters' states; parameters left out of this step keep
+        theirs, so their counts stay as torch's."""
         for p, g in zip(params, grads):
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        late = self._cl_step_matters and any(not self.state.get(p) for p in params)
-        lists, names, writes = self._cl_lists(group, params, grads)
-        st = self._cl_steps.pop(gi, None)  # new states join the group's step counter
-        if late and st is not None and not self._cl_late_warned and float(st) > 0:
-            self._cl_late_warned = True
-            warnings.warn(f"cupylab.torch.optim.{type(self).__name__}: a parameter of group "
-                          f"{gi} gets its first gradient at step {int(float(st)) + 1}; it joins "
-                          "the group's step counter, so its bias correction differs from "
-                          "torch's per-parameter one (put such parameters in their own group "
-                          "to match torch)", UserWarning, stacklevel=3)
-        plan, s = F._validate(f"{type(self).__name__}.step", names, lists, writes,
-                              (1,), None, ())
-        self._cl_plans[gi] = (kp, kg, plan)
-        return plan, s, params
+        units, s = [], None
+        for cohort in self._cl_cohorts(params):
+            if cohort is None:
+                idx, ps, gs, st = None, params, grads, None
+            else:
+                count, idx = cohort
+                ps, gs = [params[i] for i in idx], [grads[i] for i in idx]
+                st = torch.tensor(count, dtype=torch.float32)
+            lists, names, writes = self._cl_lists(group, ps, gs)
+            plan, s = F._validate(f"{type(self).__name__}.step", names, lists, writes,
+                                  (1,), None, ())
+            if st is not None:
+                for p in ps:
+                    self.state[p]["step"] = st
+            units.append((plan, idx if idx is None or len(idx) < len(params) else None, ps, st))
+        self._cl_plans[gi] = (kp, kg, units)
+        return s, [(plan, st) for plan, _, _, st in units]
+
+    def _cl_device_step(self, gi, k, st, device):
+        """Cohort ``k``'s counter moved to the GPU (a capturable step, or ``found_inf``)."""
+        kp, kg, units = self._cl_plans[gi]
+        plan, idx, ps, _ = units[k]
+        dst = st.to(device)
+        for p in ps:
+            self.state[p]["step"] = dst
+        units[k] = (plan, idx, ps, dst)
+        return dst
 
     def _cl_begin(self, closure, found_inf, grad_scale):
         """The start of every ``step``: ``(loss, found_inf, grad_scale)``, the loss from
@@ -202,7 +214,6 @@ class _Fused:
         saved = {k: dict(v) for k, v in state_dict["state"].items()}
         super().load_state_dict(state_dict)
         self._cl_plans = {}
-        self._cl_steps = {}
         for g in self.param_groups:  # a torch optimizer's groups have no master_weights key
             g.setdefault("master_weights", self.defaults["master_weights"])
         ids = [p for g in self.param_groups for p in g["params"]]
@@ -290,25 +301,24 @@ class _AdamBase(_Fused):
             r = self._cl_plan(gi, group)
             if r is None:
                 continue
-            plan, s, params = r
+            s, units = r
             cap = bool(group.get("capturable")) or found_inf is not None
-            st = self._cl_group_step(gi, group, params, cap)
-            if st.device.type == "cpu" and cap:
-                self._cl_steps.pop(gi)
-                st = self._cl_group_step(gi, group, params, True)
-            if st.device.type == "cpu":
-                st += 1
-                step = float(st)
-            else:
-                _optim.increment_step_(st, found_inf)
-                step = st
             b1, b2 = group["betas"]
             decoupled = adamw or group.get("decoupled_weight_decay", False)
-            _optim.adam_launch(f"{type(self).__name__}.step", plan, s, lr=self._cl_lr(group),
-                               beta1=b1, beta2=b2, eps=group["eps"],
-                               weight_decay=group["weight_decay"], step=step, adamw=decoupled,
-                               maximize=group["maximize"], found_inf=found_inf,
-                               grad_scale=grad_scale)
+            for k, (plan, st) in enumerate(units):
+                if cap and st.device.type == "cpu":
+                    st = self._cl_device_step(gi, k, st, plan.device)
+                if st.device.type == "cpu":
+                    st += 1
+                    step = float(st)
+                else:
+                    _optim.increment_step_(st, found_inf)
+                    step = st
+                _optim.adam_launch(f"{type(self).__name__}.step", plan, s,
+                                   lr=self._cl_lr(group), beta1=b1, beta2=b2, eps=group["eps"],
+                                   weight_decay=group["weight_decay"], step=step,
+                                   adamw=decoupled, maximize=group["maximize"],
+                                   found_inf=found_inf, grad_scale=grad_scale)
         return loss
 
 
@@ -393,7 +403,7 @@ class SGD(_Fused, torch.optim.SGD):
             r = self._cl_plan(gi, group)
             if r is None:
                 continue
-            plan, s, _ = r
+            s, ((plan, _),) = r
             first = self._cl_first_pending or self._cl_first.pop(gi, False)
             if first and found_inf is not None:
                 self._cl_first[gi] = True  # the buffers exist now; the next step is still first
@@ -463,7 +473,7 @@ class Lion(_Fused, torch.optim.Optimizer):
             r = self._cl_plan(gi, group)
             if r is None:
                 continue
-            plan, s, _ = r
+            s, ((plan, _),) = r
             b1, b2 = group["betas"]
             _optim.lion_launch("Lion.step", plan, s, lr=self._cl_lr(group), beta1=b1, beta2=b2,
                                weight_decay=group["weight_decay"], maximize=group["maximize"],
