@@ -643,7 +643,11 @@ def prepare(fn, *args, stream=None, **kwargs):
         Its arguments. The arrays must stay alive and keep their storage while the prepared
         call is used (it holds references to them).
     stream : optional
-        Fix the launch stream instead of following the caller's current one.
+        Fix the launch stream instead of following the caller's current one. The launch
+        tables come from the memory pool of the stream the call is prepared on; a prepared
+        call replayed on other streams must be dropped only once those replays have finished
+        (after a synchronisation), or its tables' memory could be handed out again under
+        them.
 
     Returns
     -------
