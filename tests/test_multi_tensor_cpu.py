@@ -330,6 +330,10 @@ def test_a_plan_is_launched_on_its_own_stream_and_copied_for_another(streams):
     assert P.for_stream(plan, 0xB) is b and P.for_stream(plan, 0xA) is plan
     assert len(streams.uploads) == 1 and plan.siblings == {0xB: b} and b.siblings == {}
     assert streams.waits == [] and not plan.captured and not b.captured
+    for k in range(P.MAX_SIBLINGS):  # a new stream every step: the oldest copies go
+        P.for_stream(plan, 0x100 + k)
+    assert len(plan.siblings) == P.MAX_SIBLINGS and 0xB not in plan.siblings
+    assert 0x100 in plan.siblings
 
 
 def test_a_capture_elsewhere_waits_for_the_upload_and_marks_the_plan(streams):

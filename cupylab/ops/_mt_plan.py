@@ -36,6 +36,7 @@ MAX_CHUNK = 65536
 ALIGNED_BIT = 1 << 62
 BLOCKS_PER_SM = 16  # aim for at least this many chunk blocks per SM (two waves of 8)
 CACHE_SIZE = 64
+MAX_SIBLINGS = 8  # copies of one list's table for other streams (for_stream)
 ARGS_FMT = "8d4Q"  # struct Args { double s[8]; u64 p[4]; }
 APPLY_FMTS = ("Q", "Q", "q", ARGS_FMT)
 NO_ARGS = (0.0,) * 8 + (0,) * 4
@@ -326,7 +327,8 @@ def for_stream(plan, stream):
     ordered before the launch, its workspace is used by one stream at a time, and its memory,
     which came from the pool of that stream, goes back behind the stream's last launch. A list
     used on another stream gets a copy of its tables uploaded there, kept in
-    ``plan.siblings`` (one per stream; they die with ``plan``). During a CUDA graph capture
+    ``plan.siblings`` (one per stream, the :data:`MAX_SIBLINGS` most recent; they die with
+    ``plan``). During a CUDA graph capture
     on a stream without a copy (nothing can be uploaded then), the capture waits for
     ``plan``'s upload through an external event node, so every replay is ordered after it.
     A plan launched during a capture is marked ``captured``: the graph points into it, so the
@@ -343,10 +345,12 @@ def for_stream(plan, stream):
                 up.rt.streamWaitEvent(stream, up.event, _EVENT_WAIT_EXTERNAL)
                 up.captured = True
         else:
+            sibs = plan.siblings
+            if len(sibs) >= MAX_SIBLINGS:  # a stream per step: the oldest copy goes (its
+                del sibs[next(iter(sibs))]  # memory back behind its own stream's launches)
             groups, blob, tb_off = plan.layout
-            sib = plan.siblings[stream] = _upload_plan(
-                plan.device, plan.kind, plan.sizes, plan.chunk, groups, blob, tb_off,
-                plan.nblocks, stream)
+            sib = sibs[stream] = _upload_plan(plan.device, plan.kind, plan.sizes, plan.chunk,
+                                              groups, blob, tb_off, plan.nblocks, stream)
             plan = sib
     if cap:
         plan.captured = True
