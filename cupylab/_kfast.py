@@ -256,8 +256,9 @@ def _ew_source(ek, torch):
                 f"shape = {x}.shape",
                 f"m = {x}.data",
                 "dev = m.device_id"]
-        alloc = ["s = (_k._cupy_current or _k._init_cupy())().ptr if stream is None else "
-                 "_launch.resolve_stream(stream)",
+        alloc = ["s = (_k._cupy_current or _k._init_cupy())().ptr",
+                 "if stream is not None and _launch.resolve_stream(stream) != s:",
+                 "    return MISS",  # the full path allocates from that stream's pool
                  "o = _k._cupy_ndarray(shape, fdt)"]
         given = ["s = (_k._cupy_current or _k._init_cupy())().ptr if stream is None else "
                  "_launch.resolve_stream(stream)",

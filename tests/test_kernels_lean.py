@@ -8,6 +8,7 @@ launches (same packed bytes, grid, stream, device), that a different dtype, type
 const-ness takes the full path again, and that every documented error is still raised, with
 nothing launched.
 """
+import contextlib
 import sys
 import types
 
@@ -137,6 +138,16 @@ def fw(monkeypatch, sim):
     ndarray.__module__ = "cupy"
     cupy.ndarray = ndarray
     cupy.empty = lambda shape, dtype: ndarray(shape, dtype)
+    cupy.cuda = types.SimpleNamespace(
+        get_current_stream=lambda: types.SimpleNamespace(ptr=CUPY_STREAM),
+        runtime=types.SimpleNamespace(getDevice=lambda: 0))
+
+    @contextlib.contextmanager
+    def cupy_stream(ptr, device):  # allocations inside come from that stream's pool
+        f.recorded.append(("cupy", ptr, device))
+        yield
+
+    monkeypatch.setattr(_launch, "cupy_stream", cupy_stream)
 
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
@@ -411,6 +422,14 @@ def test_elementwise_size_guard_and_streams(fw):
     assert fw.launches[-1]["stream"] == 0x42 and type(r) is fw.t
     addf(a, a, out=a, stream=0x42)  # writing into out= on another stream: lean
     assert fw.full == full + 1 and fw.launches[-1]["stream"] == 0x42
+    c = fw.c((8,))
+    twice(fw, lambda: addf(c, c))
+    full = fw.full
+    addf(c, c, stream=CUPY_STREAM)  # CuPy's current stream given explicitly: lean
+    assert fw.full == full and len(fw.recorded) == 1
+    r = addf(c, c, stream=0x42)  # CuPy memory for another stream: the full path, from its pool
+    assert fw.full == full + 1 and fw.recorded[1:] == [("cupy", 0x42, 0)]
+    assert fw.launches[-1]["stream"] == 0x42 and type(r) is fw.c
 
 
 def test_equal_numpy_dtypes_need_not_be_the_same_object(fw):
