@@ -71,9 +71,7 @@ class Graph:
         the same legacy default stream torch uses unless you changed either)."""
         if self._graph is None:
             raise RuntimeError("Graph.replay: nothing captured yet (use `with g.capture():`)")
-        cp = _runtime.cupy()
         if stream is None:
             self._graph.launch()
         else:
-            self._graph.launch(_launch.cupy_stream(_launch.resolve_stream(stream),
-                                                   cp.cuda.runtime.getDevice()))
+            self._graph.launch(_launch.cupy_stream(_launch.resolve_stream(stream), -1))

@@ -48,9 +48,10 @@ _cupy_streams: dict = {}
 
 
 def cupy_stream(ptr: int, device: int):
-    """A CuPy stream object for the raw handle ``ptr`` on ``device`` (to make it CuPy's current
-    stream: an allocation then comes from the memory pool's free list for that stream, and
-    its memory goes back there). The wrappers own nothing and are kept (a few per process)."""
+    """A CuPy stream object for the raw handle ``ptr`` on ``device`` (-1: not said), e.g. to
+    make it CuPy's current stream: an allocation then comes from the memory pool's free list
+    for that stream, and its memory goes back there. The wrappers own nothing and are kept (a
+    few per process)."""
     key = (ptr, device)
     st = _cupy_streams.get(key)
     if st is None:
