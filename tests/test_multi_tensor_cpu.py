@@ -312,6 +312,7 @@ def _plan(stream, rt=None):
     plan = P.Plan()
     plan.device, plan.kind, plan.sizes, plan.chunk, plan.nblocks = 0, "torch", [5], 2048, 1
     plan.layout, plan.stream, plan.siblings, plan.captured = ((), b"tables", 0), stream, {}, False
+    plan.pinned = False
     plan.upload = None
     if rt is not None:
         plan.upload = P._Upload.__new__(P._Upload)
@@ -358,8 +359,7 @@ def test_pinned_plans_outlive_the_lru_bound_but_not_their_arrays():
     P.cache_put(("pin",), plan, mine)
     ref = weakref.ref(plan)
     P.pin(("pin",), plan)
-    P.pin(("pin",), plan)
-    assert P._pinned[("pin",)] == [plan]
+    assert P._pinned[("pin",)] == [plan] and plan.pinned
     others = [_Obj() for _ in range(P.CACHE_SIZE + 1)]
     for i, o in enumerate(others):
         P.cache_put(("other", i), P.Plan(), [o])
@@ -369,6 +369,7 @@ def test_pinned_plans_outlive_the_lru_bound_but_not_their_arrays():
     del mine[0]
     gc.collect()
     assert ref() is None and ("pin",) not in P._pinned
-    P.pin(("gone",), P.Plan())  # a list no longer cached: nothing to keep
+    gone = P.Plan()
+    P.pin(("gone",), gone)  # a list no longer cached: nothing to keep
     assert ("gone",) not in P._pinned
     P.cache_clear()

@@ -684,7 +684,7 @@ def sgd_launches(monkeypatch):
     from cupylab.torch import optim as O
 
     class Plan:
-        device, captured = 0, False
+        device, captured, pinned = 0, False, False
 
     seen = []
     monkeypatch.setattr(O.F, "_validate", lambda *a, **k: (Plan(), 0))
@@ -815,7 +815,7 @@ def adam_launches(monkeypatch):
     from cupylab.torch import optim as O
 
     class Plan:
-        device, captured = 0, False
+        device, captured, pinned = 0, False, False
 
     def validate(opname, names, lists, *a, **k):
         plan = Plan()

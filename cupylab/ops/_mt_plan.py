@@ -206,7 +206,7 @@ class Plan:
 
     __slots__ = ("device", "kind", "n", "sizes", "groups", "chunk", "nblocks", "tb_ptr", "buf",
                  "stream", "partial", "scratch", "refs", "upload", "layout", "siblings",
-                 "captured", "__weakref__")
+                 "captured", "pinned", "__weakref__")
 
     def workspace(self):
         """Device addresses ``(partials, scratch)``: one float64 per block for the norms, and
@@ -387,7 +387,7 @@ def _upload_plan(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stre
     plan.partial, plan.scratch = base + ws_off, base + ws_off + 8 * max(nblocks, 1)
     plan.refs = None
     plan.upload = up
-    plan.siblings, plan.captured = {}, False
+    plan.siblings, plan.captured, plan.pinned = {}, False, False
     plan.layout = (groups, blob, tb_off)
     plan.groups = []
     for sig, idx, toff, moff, nb, first in groups:
@@ -504,9 +504,8 @@ def pin(key, plan):
     the cached list ``key`` live, whatever the LRU bound drops."""
     with _lock:
         if key in _cache:  # else an array died already: nothing left to replay into
-            kept = _pinned.setdefault(key, [])
-            if not any(p is plan for p in kept):
-                kept.append(plan)
+            _pinned.setdefault(key, []).append(plan)
+            plan.pinned = True
 
 
 def cache_get(key):

@@ -216,7 +216,7 @@ def resolve(opname, names, lists, writes, *, same_dtype=None, stream=None, inpla
             with _launch.ensure_device(plan.device):
                 s = _launch.current_stream(plan.kind, plan.device)
                 plan = P.for_stream(plan, s)
-            if plan.captured:
+            if plan.captured and not plan.pinned:
                 P.pin(key, plan)
             return plan, s
     r = _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs, free)

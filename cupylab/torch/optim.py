@@ -148,8 +148,9 @@ class _Fused:
                 self._cl_plans[gi] = (kp, kg, units)
             for plan, _, _, st in units:
                 plan = P.for_stream(plan, s)
-                if plan.captured and not any(q is plan for q in self._cl_captured):
-                    self._cl_captured.append(plan)  # a graph points into it: keep it
+                if plan.captured and not plan.pinned:  # a graph points into it: keep it
+                    plan.pinned = True
+                    self._cl_captured.append(plan)
                 out.append((plan, st))
         return s, out
 
