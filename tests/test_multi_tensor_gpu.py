@@ -467,8 +467,9 @@ def test_another_stream_gets_its_own_table():
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     ys = [torch.ones(n, device="cuda") for n in (7, 3000)]
     zs = [torch.zeros(n, device="cuda") for n in (7, 3000)]
-    foreach.zero_(zs)  # the kernel compiled and loaded first
+    foreach.norm(zs)  # the kernels compiled and loaded first (a module load may synchronise)
     torch.cuda.synchronize()
+    P.cache_clear()  # no table of another test's stream with a recycled handle
     _busy(torch, a)
     with torch.cuda.stream(a):
         foreach.norm(ys)  # a new list: its table is uploaded on a, behind the spinning kernel
