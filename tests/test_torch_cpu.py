@@ -880,6 +880,35 @@ def test_adam_loads_a_torch_state_with_different_counts(adam_launches):
     assert sorted(seen, key=lambda r: r[1]) == [([b.data_ptr()], 2.0), ([a.data_ptr()], 3.0)]
 
 
+@pytest.mark.parametrize("name,keys,writes", [("Adam", ("exp_avg", "exp_avg_sq"), 0b1101),
+                                               ("Lion", ("exp_avg",), 0b101)])
+@pytest.mark.parametrize("master", [False, True])
+def test_moment_optimizers_launch_lists(name, keys, writes, master):
+    """The slots a step launches on: params, grads, the moments (made zero on the first step,
+    float32 for master-weight params), the master copies; which of them are written."""
+    from cupylab.torch import optim as O
+
+    dt = torch.bfloat16 if master else torch.float32
+    ps = [torch.nn.Parameter(torch.randn(n).to(dt)) for n in (3, 5)]
+    gs = [torch.randn(n).to(dt) for n in (3, 5)]
+    opt = getattr(O, name)(ps, lr=1e-3, master_weights=master)
+    lists, names, w = opt._cl_lists(opt.param_groups[0], ps, gs)
+    assert names == ["params", "grads", *(k + "s" for k in keys), "master_params"]
+    nm = 2 + len(keys)
+    assert w == writes | ((1 << nm) if master else 0)
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(lists[0], ps))
+    assert [a.data_ptr() for a in lists[1]] == [b.data_ptr() for b in gs]
+    for j, k in enumerate(keys):
+        assert [t is opt.state[p][k] for t, p in zip(lists[2 + j], ps)] == [True, True]
+        assert all(t.dtype == (torch.float32 if master else dt) and not t.any()
+                   for t in lists[2 + j])
+    if master:
+        assert [t is opt.state[p]["master_param"] for t, p in zip(lists[nm], ps)] == [True] * 2
+        torch.testing.assert_close(lists[nm][1], ps[1].detach().float())
+    else:
+        assert lists[nm] is None
+
+
 @pytest.mark.parametrize("name", ["Adam", "SGD", "Lion"])
 def test_master_weights_group_mixing_dtypes_is_refused_clearly(name):
     from cupylab.torch import optim as O  # no launch: the refusal comes first

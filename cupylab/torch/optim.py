@@ -96,8 +96,34 @@ class _Fused:
     def _cl_master(self, group, p):
         return group.get("master_weights", False) and p.dtype in (torch.bfloat16, torch.float16)
 
-    def _cl_init_state(self, group, p, st):
-        raise NotImplementedError
+    def _cl_lists(self, group, params, grads):
+        """The launch lists of moment-based optimizers (Adam, Lion): params, grads, one list
+        per state in :attr:`_cl_state_keys` (zeros on a parameter's first step, float32 for
+        master-weight parameters), master copies or None; their names; the written slots."""
+        st = self.state
+        keys = self._cl_state_keys
+        cols = [[] for _ in range(2 + len(keys))]
+        masters = []
+        for p, g in zip(params, grads):
+            s = st[p]
+            if keys[0] not in s:
+                master = self._cl_master(group, p)
+                dt = torch.float32 if master else p.dtype
+                for k in keys:
+                    s[k] = torch.zeros_like(p, dtype=dt, memory_format=torch.preserve_format)
+                if master:
+                    s["master_param"] = p.detach().float().clone()
+            cols[0].append(p.detach())
+            cols[1].append(g.detach())
+            for j, k in enumerate(keys):
+                cols[2 + j].append(s[k])
+            masters.append(s.get("master_param"))
+        anymaster = _check_master(masters)
+        writes = 1 | sum(1 << (2 + j) for j in range(len(keys)))  # params and states
+        if anymaster:
+            writes |= 1 << len(cols)
+        return (cols + [masters if anymaster else None],
+                ["params", "grads", *(k + "s" for k in keys), "master_params"], writes)
 
     def _cl_cohorts(self, params):
         """Index lists of ``params`` by step count: one list when the update ignores the count
@@ -268,30 +294,6 @@ class _AdamBase(_Fused):
         self._cl_check(state_dict.get("param_groups", ()))  # before anything is loaded
         super().load_state_dict(state_dict)
 
-    def _cl_lists(self, group, params, grads):
-        st = self.state
-        P, G, M, V, W = [], [], [], [], []
-        for p, g in zip(params, grads):
-            s = st[p]
-            if "exp_avg" not in s:
-                master = self._cl_master(group, p)
-                dt = torch.float32 if master else p.dtype
-                s["exp_avg"] = torch.zeros_like(p, dtype=dt, memory_format=torch.preserve_format)
-                s["exp_avg_sq"] = torch.zeros_like(p, dtype=dt,
-                                                   memory_format=torch.preserve_format)
-                if master:
-                    s["master_param"] = p.detach().float().clone()
-            P.append(p.detach())
-            G.append(g.detach())
-            M.append(s["exp_avg"])
-            V.append(s["exp_avg_sq"])
-            mp = s.get("master_param")
-            W.append(mp)
-        anymaster = _check_master(W)
-        return ([P, G, M, V, W if anymaster else None],
-                ["params", "grads", "exp_avgs", "exp_avg_sqs", "master_params"],
-                0b1101 | (0b10000 if anymaster else 0))
-
     @torch.no_grad()
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
         """One fused step; ``closure`` as torch's; ``found_inf`` / ``grad_scale``: see the
@@ -446,26 +448,6 @@ class Lion(_Fused, torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                                       maximize=maximize))
         self._cl_setup(master_weights)
-
-    def _cl_lists(self, group, params, grads):
-        st = self.state
-        P, G, M, W = [], [], [], []
-        for p, g in zip(params, grads):
-            s = st[p]
-            if "exp_avg" not in s:
-                master = self._cl_master(group, p)
-                s["exp_avg"] = torch.zeros_like(p, dtype=torch.float32 if master else p.dtype,
-                                                memory_format=torch.preserve_format)
-                if master:
-                    s["master_param"] = p.detach().float().clone()
-            P.append(p.detach())
-            G.append(g.detach())
-            M.append(s["exp_avg"])
-            W.append(s.get("master_param"))
-        anymaster = _check_master(W)
-        return ([P, G, M, W if anymaster else None],
-                ["params", "grads", "exp_avgs", "master_params"],
-                0b101 | (0b1000 if anymaster else 0))
 
     @torch.no_grad()
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
