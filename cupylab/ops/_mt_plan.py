@@ -345,12 +345,16 @@ def for_stream(plan, stream):
                 up.rt.streamWaitEvent(stream, up.event, _EVENT_WAIT_EXTERNAL)
                 up.captured = True
         else:
-            sibs = plan.siblings
-            if len(sibs) >= MAX_SIBLINGS:  # a stream per step: the oldest copy goes (its
-                del sibs[next(iter(sibs))]  # memory back behind its own stream's launches)
-            groups, blob, tb_off = plan.layout
-            sib = sibs[stream] = _upload_plan(plan.device, plan.kind, plan.sizes, plan.chunk,
-                                              groups, blob, tb_off, plan.nblocks, stream)
+            with _lock:  # threads on two new streams at once: each makes its own copy
+                sibs = plan.siblings
+                sib = sibs.get(stream)
+                if sib is None:
+                    if len(sibs) >= MAX_SIBLINGS:  # a stream per step: the oldest copy goes
+                        del sibs[next(iter(sibs))]  # (its memory back behind its stream)
+                    groups, blob, tb_off = plan.layout
+                    sib = sibs[stream] = _upload_plan(plan.device, plan.kind, plan.sizes,
+                                                      plan.chunk, groups, blob, tb_off,
+                                                      plan.nblocks, stream)
             plan = sib
     if cap:
         plan.captured = True
