@@ -187,7 +187,7 @@ def test_prepare_refuses_other_functions():
 
 def test_prepared_call_keeps_the_plans_its_launches_point_into(sim, monkeypatch):
     # a prepared call replays arguments that point into a plan's tables and workspace; a plan
-    # that is not cached (stream=, JAX lists) must live as long as the prepared call
+    # that is not cached (JAX lists) must live as long as the prepared call
     import types
 
     from cupylab import _runtime
@@ -207,7 +207,7 @@ def test_prepared_call_keeps_the_plans_its_launches_point_into(sim, monkeypatch)
         device, kind = 0, "cupy"
 
     def fake_op(*, stream=None):
-        plan = Plan()  # built for this call only, as with stream= (never cached)
+        plan = Plan()  # built for this call only, as for JAX lists (never cached)
         P.run_kernel(K(), plan, 3, 128, stream, (id(plan), 1))
         P.run_kernel(K(), plan, 1, 32, stream, (id(plan), 2))
         return weakref.ref(plan)
@@ -372,4 +372,38 @@ def test_pinned_plans_outlive_the_lru_bound_but_not_their_arrays():
     gone = P.Plan()
     P.pin(("gone",), gone)  # a list no longer cached: nothing to keep
     assert ("gone",) not in P._pinned
+    P.cache_clear()
+
+
+def test_a_stream_argument_uses_the_cache_too(monkeypatch):
+    """A list called with stream= is cached like any other (its table per stream), so a
+    stream= call on an unchanged list does no per-tensor work either."""
+    import contextlib
+
+    from cupylab import _launch
+
+    P.cache_clear()
+    objs = [_Obj(), _Obj()]
+    built, streams = [], []
+
+    def validate(opname, names, lists, writes, same, stream, pairs, free):
+        plan = _plan(0x99 if stream is not None else 0x5700)
+        built.append(stream)
+        return plan, plan.stream
+
+    def for_stream(plan, s):
+        streams.append(s)
+        return plan
+
+    monkeypatch.setattr(F, "cache_key", lambda lists, w: ("k", tuple(map(id, lists[0]))))
+    monkeypatch.setattr(F, "_validate", validate)
+    monkeypatch.setattr(P, "for_stream", for_stream)
+    monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0x5700)
+    first, s = F.resolve("foreach.scale_", ["tensors"], [objs], 1, stream=0x99)
+    assert built == [0x99] and s == 0x99
+    again, s = F.resolve("foreach.scale_", ["tensors"], [objs], 1, stream=0x99)
+    assert again is first and s == 0x99 and built == [0x99] and streams == [0x99]
+    _, s = F.resolve("foreach.scale_", ["tensors"], [objs], 1)
+    assert s == 0x5700 and streams == [0x99, 0x5700] and built == [0x99]
     P.cache_clear()

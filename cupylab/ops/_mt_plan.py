@@ -448,7 +448,7 @@ def run_kernel(k, plan, grid, block, stream, args):
     """Launch ``k`` for ``plan`` — or, while :func:`record` is active in this thread, note the
     launch (for :func:`cupylab.foreach.prepare`) without running it, and keep ``plan``: the
     arguments point into its tables and workspace, which must outlive every replay (a plan
-    that is not cached, e.g. with ``stream=`` or JAX lists, is otherwise freed at once)."""
+    that is not cached, e.g. for JAX lists, is otherwise freed at once)."""
     log = getattr(_recording, "log", None)
     if log is not None:
         k.function(plan.device)  # compile and load now, not at the first replay

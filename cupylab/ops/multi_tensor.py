@@ -209,12 +209,13 @@ def resolve(opname, names, lists, writes, *, same_dtype=None, stream=None, inpla
     Returns ``(plan, stream)``, or ``(None, None)`` for empty lists."""
     if same_dtype is None:
         same_dtype = range(len(lists))
-    key = cache_key(lists, (writes, tuple(same_dtype), tuple(free))) if stream is None else None
+    key = cache_key(lists, (writes, tuple(same_dtype), tuple(free)))
     if key is not None:
         plan = P.cache_get(key)
         if plan is not None:
             with _launch.ensure_device(plan.device):
-                s = _launch.current_stream(plan.kind, plan.device)
+                s = (_launch.current_stream(plan.kind, plan.device) if stream is None
+                     else _launch.resolve_stream(stream))
                 plan = P.for_stream(plan, s)
             if plan.captured and not plan.pinned:
                 P.pin(key, plan)
