@@ -866,6 +866,35 @@ def test_adam_counts_steps_per_parameter_as_torch_does(adam_launches):
     assert opt.state[a]["step"] is opt.state[b]["step"]
 
 
+def test_adam_new_gradients_are_patched_into_each_cohorts_table(adam_launches, monkeypatch):
+    """zero_grad(set_to_none=True) gives new gradient tensors every step: each cohort's table
+    gets the addresses of its own parameters' gradients, in its order."""
+    O, seen = adam_launches
+    patched = []
+
+    def repoint(plan, slot, ptrs, s):
+        patched.append((plan.params, slot, list(ptrs)))
+        return plan
+
+    monkeypatch.setattr(O.P, "repoint", repoint)
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (3, 2, 4)]
+    opt = O.Adam(ps, lr=1e-3)
+    ps[0].grad, ps[2].grad = torch.ones(3), torch.ones(4)
+    opt.step()  # ps[1] has no gradient yet
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()  # two cohorts now: counts 1 (ps[0], ps[2]) and 0 (ps[1])
+    assert patched == []
+    for p in ps:
+        p.grad = torch.ones_like(p)  # new tensors, same layout: repointed, not rebuilt
+    opt.step()
+    by_plan = {tuple(params): (slot, ptrs) for params, slot, ptrs in patched}
+    ptr = [p.data_ptr() for p in ps]
+    gptr = [p.grad.data_ptr() for p in ps]
+    assert by_plan == {(ptr[0], ptr[2]): (1, [gptr[0], gptr[2]]), (ptr[1],): (1, [gptr[1]])}
+    assert [float(opt.state[p]["step"]) for p in ps] == [3.0, 2.0, 3.0]
+
+
 def test_adam_loads_a_torch_state_with_different_counts(adam_launches):
     O, seen = adam_launches
     a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
