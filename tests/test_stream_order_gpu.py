@@ -43,20 +43,23 @@ def test_memory_for_a_stream_argument_stays_with_that_stream(op):
     assert not _reused_elsewhere(make, nbytes)
 
 
-def test_results_on_a_busy_side_stream_and_a_fresh_flag():
-    """A side stream with a long kernel queued ahead: the flag nonfinite_check allocates is
-    zeroed on that stream, before the check writes it (a zero on the default stream could
-    land after the write, or before the queued producer ran)."""
+def test_a_fresh_flag_is_zeroed_on_the_launch_stream():
+    """nonfinite_check(stream=side) allocates its flag, zeroes it, and the check sets it. With
+    CuPy's current stream busy and the side stream idle, a zero queued on the current stream
+    would land after the check's write and lose it; on the side stream it comes first."""
     rng = np.random.default_rng(8)
-    side = cp.cuda.Stream(non_blocking=True)
+    x = cp.asarray(rng.standard_normal(4097, dtype=np.float32))
+    x[17] = cp.inf
     big = cp.asarray(rng.standard_normal(2**26, dtype=np.float32))
-    with side:
-        x = cp.zeros(4097, dtype=cp.float32)
-        for _ in range(20):  # keep the side stream busy
+    foreach.nonfinite_check([x])  # kernels loaded, table built, outside the timing
+    cp.cuda.Device().synchronize()
+    side, busy = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with busy:
+        for _ in range(20):  # about 10 ms of work ahead of anything queued on busy
             big *= 1.0
-        x[17] = cp.inf
-    flag = foreach.nonfinite_check([x], stream=side)
-    total = foreach.norm([big[:1000]], stream=side)
+        flag = foreach.nonfinite_check([x], stream=side)
+        total = foreach.norm([x[:17]], stream=side)
     side.synchronize()
+    busy.synchronize()
     assert float(flag[0]) == 1.0
-    np.testing.assert_allclose(float(total), np.linalg.norm(cp.asnumpy(big[:1000])), rtol=1e-5)
+    np.testing.assert_allclose(float(total), np.linalg.norm(cp.asnumpy(x[:17])), rtol=1e-5)
