@@ -293,8 +293,9 @@ def streams(monkeypatch):
 
     from cupylab import _runtime
 
-    st = types.SimpleNamespace(capturing=set(), waits=[], uploads=[])
-    rt = types.SimpleNamespace(streamWaitEvent=lambda s, ev, flags: st.waits.append((s, ev, flags)))
+    st = types.SimpleNamespace(capturing=set(), waits=[], uploads=[], done=set())
+    rt = types.SimpleNamespace(streamWaitEvent=lambda s, ev, flags: st.waits.append((s, ev, flags)),
+                               eventQuery=lambda ev: 0 if ev in st.done else 600)
     monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(
         cuda=types.SimpleNamespace(runtime=rt)))
     monkeypatch.setattr(P, "capturing", lambda r, s: s in st.capturing)
@@ -325,27 +326,46 @@ def test_a_plan_is_launched_on_its_own_stream_and_copied_for_another(streams):
     """Eager launches use a table uploaded on their own stream (its workspace is one stream's,
     and its memory goes back behind that stream), one copy per stream, kept with the plan."""
     plan = _plan(0xA, streams.rt)
-    assert P.for_stream(plan, 0xA) is plan and streams.uploads == []
+    streams.done = {("ev", 0xA)}
+    assert P.for_stream(plan, 0xA) is plan and streams.uploads == [] and plan.upload is None
     b = P.for_stream(plan, 0xB)
     assert b is not plan and b.stream == 0xB and streams.uploads == [(0xB, b"tables")]
+    streams.done.add(("ev", 0xB))
     assert P.for_stream(plan, 0xB) is b and P.for_stream(plan, 0xA) is plan
     assert len(streams.uploads) == 1 and plan.siblings == {0xB: b} and b.siblings == {}
-    assert streams.waits == [] and not plan.captured and not b.captured
+    assert streams.waits == [(0xB, ("ev", 0xB), 0)]  # b's first launch, its upload pending
+    assert not plan.captured and not b.captured
     for k in range(P.MAX_SIBLINGS):  # a new stream every step: the oldest copies go
         P.for_stream(plan, 0x100 + k)
     assert len(plan.siblings) == P.MAX_SIBLINGS and 0xB not in plan.siblings
     assert 0x100 in plan.siblings
 
 
+def test_a_pending_upload_is_waited_for_on_the_gpu_until_seen_complete(streams):
+    """A stream handle can be recycled (a destroyed stream's handle given to a new one, not
+    ordered after the old one's work): until the table's upload is seen complete, every launch
+    waits for its event on the GPU; then the query stops."""
+    plan = _plan(0xA, streams.rt)
+    P.for_stream(plan, 0xA)
+    P.for_stream(plan, 0xA)
+    assert streams.waits == [(0xA, ("ev", 0xA), 0)] * 2 and plan.upload is not None
+    streams.done.add(("ev", 0xA))
+    P.for_stream(plan, 0xA)
+    P.for_stream(plan, 0xA)
+    assert len(streams.waits) == 2 and plan.upload is None
+
+
 def test_a_capture_elsewhere_waits_for_the_upload_and_marks_the_plan(streams):
     """Nothing can be uploaded during a capture: a capture on a stream without a copy uses
-    the plan, waiting for its upload through an external event node (every replay does)."""
+    the plan, waiting for its upload through an external event node (every replay does), and
+    no event is queried during a capture."""
     plan = _plan(0xA, streams.rt)
     streams.capturing = {0xC, 0xA}
+    streams.done = {("ev", 0xA)}  # complete, but not asked during the capture
     assert P.for_stream(plan, 0xC) is plan and streams.uploads == []
     assert streams.waits == [(0xC, ("ev", 0xA), P._EVENT_WAIT_EXTERNAL)]
     assert plan.captured and plan.upload.captured  # the event is never destroyed
-    fresh = _plan(0xA, streams.rt)
+    fresh = _plan(0xA)  # its upload seen complete before the capture
     assert P.for_stream(fresh, 0xA) is fresh and fresh.captured  # capture on its own stream
     assert len(streams.waits) == 1
 

@@ -323,28 +323,26 @@ def capturing(rt, stream):
 def for_stream(plan, stream):
     """The plan to launch on ``stream``, given the plan a list was set up with.
 
-    A plan is launched on the stream it was uploaded on (``plan.stream``): its upload is
-    ordered before the launch, its workspace is used by one stream at a time, and its memory,
-    which came from the pool of that stream, goes back behind the stream's last launch. A list
-    used on another stream gets a copy of its tables uploaded there, kept in
-    ``plan.siblings`` (one per stream, the :data:`MAX_SIBLINGS` most recent; they die with
-    ``plan``). During a CUDA graph capture
-    on a stream without a copy (nothing can be uploaded then), the capture waits for
-    ``plan``'s upload through an external event node, so every replay is ordered after it.
-    A plan launched during a capture is marked ``captured``: the graph points into it, so the
-    caller keeps it alive as long as the list's arrays live (:func:`pin`). The host never
-    waits."""
-    cap = capturing(_runtime.cupy().cuda.runtime, stream)
+    A plan is launched on the stream it was uploaded on (``plan.stream``): its workspace is
+    used by one stream at a time, and its memory, which came from the pool of that stream,
+    goes back behind the stream's last launch. A list used on another stream gets a copy of
+    its tables uploaded there, kept in ``plan.siblings`` (one per stream, the
+    :data:`MAX_SIBLINGS` most recent; they die with ``plan``). During a CUDA graph capture on
+    a stream without a copy (nothing can be uploaded then), the capture uses ``plan``.
+
+    Until its upload is seen complete, a launch waits for it on the GPU (an event; during a
+    capture an external event node, so every replay is ordered after it). On the upload's own
+    stream that wait is already implied, unless the stream was destroyed and its handle handed
+    to a new stream, which is not ordered after the old one's work. A plan launched during a
+    capture is marked ``captured``: the graph points into it, so the caller keeps it alive as
+    long as the list's arrays live (:func:`pin`). The host never waits."""
+    rt = _runtime.cupy().cuda.runtime
+    cap = capturing(rt, stream)
     if stream != plan.stream:
         sib = plan.siblings.get(stream)
         if sib is not None:
             plan = sib
-        elif cap:
-            up = plan.upload
-            if up is not None:
-                up.rt.streamWaitEvent(stream, up.event, _EVENT_WAIT_EXTERNAL)
-                up.captured = True
-        else:
+        elif not cap:
             with _lock:  # threads on two new streams at once: each makes its own copy
                 sibs = plan.siblings
                 sib = sibs.get(stream)
@@ -356,6 +354,15 @@ def for_stream(plan, stream):
                                                       plan.chunk, groups, blob, tb_off,
                                                       plan.nblocks, stream)
             plan = sib
+    up = plan.upload
+    if up is not None:
+        if cap:  # no event query during a capture
+            rt.streamWaitEvent(stream, up.event, _EVENT_WAIT_EXTERNAL)
+            up.captured = True
+        elif up.done():
+            plan.upload = None
+        else:
+            rt.streamWaitEvent(stream, up.event, 0)
     if cap:
         plan.captured = True
     return plan
