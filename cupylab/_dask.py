@@ -179,9 +179,7 @@ def elementwise(name, promo_op, fn, operands, names, out, dtype, casting, stream
                 raise TypeError(f"{name}: {nm} must be a Dask array, a GPU array or a scalar "
                                 f"beside Dask arrays (got {type(a).__module__}."
                                 f"{type(a).__qualname__})")
-            # a GPU array beside Dask arrays: one chunk, aligned (and split) by Dask
-            a = da.from_array(a, chunks=tuple(a.shape) or (), asarray=False, name=False,
-                              meta=meta_from_array(a, ndim=len(a.shape)))
+            a = _as_dask(a)  # a GPU array beside Dask arrays: one chunk, aligned by Dask
         views.append(view(name, nm, a))
         args += [a, tuple(range(a.ndim))[::-1]]
     # the eager operator's checks: promotion (and casts), the scalars, broadcasting

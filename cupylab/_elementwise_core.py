@@ -136,17 +136,14 @@ def allocate(kind, shape, dt, device, stream=None):
             obj.record_stream(torch.cuda.ExternalStream(stream, device=device))
         return obj
     cp = _runtime.cupy()
-    if stream is not None:
-        dev = _runtime.current_device() if device is None else device
-        with _launch.ensure_device(dev):
-            if stream != cp.cuda.get_current_stream().ptr:
-                with _launch.cupy_stream(stream, dev):
-                    return cp.empty(shape, dtype=_np_dtype_for(dt))
-            return cp.empty(shape, dtype=_np_dtype_for(dt))
-    if device is not None and _runtime.current_device() != device:
-        with cp.cuda.Device(device):
-            return cp.empty(shape, dtype=_np_dtype_for(dt))
-    return cp.empty(shape, dtype=_np_dtype_for(dt))
+    if stream is None and (device is None or _runtime.current_device() == device):
+        return cp.empty(shape, dtype=_np_dtype_for(dt))
+    dev = _runtime.current_device() if device is None else device
+    with cp.cuda.Device(dev):
+        if stream is not None and stream != cp.cuda.get_current_stream().ptr:
+            with _launch.cupy_stream(stream, dev):
+                return cp.empty(shape, dtype=_np_dtype_for(dt))
+        return cp.empty(shape, dtype=_np_dtype_for(dt))
 
 
 def finish_output(kind, out, stream, device):

@@ -140,7 +140,8 @@ def fw(monkeypatch, sim):
     cupy.empty = lambda shape, dtype: ndarray(shape, dtype)
     cupy.cuda = types.SimpleNamespace(
         get_current_stream=lambda: types.SimpleNamespace(ptr=CUPY_STREAM),
-        runtime=types.SimpleNamespace(getDevice=lambda: 0))
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+        Device=lambda d: contextlib.nullcontext())
 
     @contextlib.contextmanager
     def cupy_stream(ptr, device):  # allocations inside come from that stream's pool

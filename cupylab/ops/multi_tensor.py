@@ -263,15 +263,10 @@ def _ew_kernel(op, inplace):
     return lambda sig: P.kernel("foreach", P.ew_name(op, sig[0], inplace))
 
 
-def _alloc_like(opname, xs, plan, stream):
-    """New arrays shaped like ``xs`` for the outputs; ``stream``: a ``stream=`` argument's
-    handle, or None (see :func:`~cupylab._elementwise_core.allocate`)."""
-    kind = plan.kind if plan.kind in ("torch", "cupy") else "cupy"
-    outs = []
-    for x in xs:
-        v = _arrays.as_view(x, f"{opname}: x")
-        outs.append(allocate(kind, v.shape, v.dtype, plan.device, stream))
-    return outs
+def _alloc_like(opname, xs, plan, s, stream):
+    """New arrays shaped like ``xs`` for the outputs (see :func:`_new`)."""
+    return [_new(plan, v.shape, v.dtype, s, stream)
+            for v in (_arrays.as_view(x, f"{opname}: x") for x in xs)]
 
 
 def _finish_list(plan, outs, stream):
@@ -313,7 +308,7 @@ def _out_of_place(opname, xs, other, out, stream, list_op, scalar_op, alpha=None
             return []
         plan, s = resolve(opname, ["tensors"], [xs], 0, stream=stream)
         with _launch.ensure_device(plan.device):
-            out = _alloc_like(opname, xs, plan, None if stream is None else s)
+            out = _alloc_like(opname, xs, plan, s, stream)
         _binary(opname, xs, other, out, stream, list_op, scalar_op, alpha, free=(0,))
         return _finish_list(plan, out, s)
     _binary(opname, xs, other, out, stream, list_op, scalar_op, alpha)
@@ -407,7 +402,7 @@ def lerp(tensors, ends, weight, *, out=None, stream=None):
     if out is None:
         plan, s = resolve("foreach.lerp", ["tensors"], [tensors], 0, stream=stream)
         with _launch.ensure_device(plan.device):
-            out = _alloc_like("foreach.lerp", tensors, plan, None if stream is None else s)
+            out = _alloc_like("foreach.lerp", tensors, plan, s, stream)
         fresh = True
     else:
         fresh = False

@@ -206,11 +206,12 @@ class _Fused:
         self._cl_plans[gi] = (kp, kg, units)
         return s, [(plan, st) for plan, _, _, st in units]
 
-    def _cl_device_step(self, gi, k, st, device):
-        """Cohort ``k``'s counter moved to the GPU (a capturable step, or ``found_inf``)."""
-        kp, kg, units = self._cl_plans[gi]
-        plan, idx, ps, _ = units[k]
-        dst = st.to(device)
+    def _cl_device_step(self, gi, k):
+        """Cohort ``k``'s counter moved to its plan's GPU (a capturable step, or
+        ``found_inf``)."""
+        units = self._cl_plans[gi][2]
+        plan, idx, ps, st = units[k]
+        dst = st.to(plan.device)
         for p in ps:
             self.state[p]["step"] = dst
         units[k] = (plan, idx, ps, dst)
@@ -310,7 +311,7 @@ class _AdamBase(_Fused):
             decoupled = adamw or group.get("decoupled_weight_decay", False)
             for k, (plan, st) in enumerate(units):
                 if cap and st.device.type == "cpu":
-                    st = self._cl_device_step(gi, k, st, plan.device)
+                    st = self._cl_device_step(gi, k)
                 if st.device.type == "cpu":
                     st += 1
                     step = float(st)
