@@ -754,9 +754,8 @@ def test_optimizer_keeps_the_tables_a_captured_step_points_into(sgd_launches, mo
 
 
 # -- torch optimizers: checkpoints, late groups, late parameters (no launch) -------------------
-def test_adam_keeps_master_weights_when_loading_a_torch_checkpoint():
-    from cupylab.torch import optim as O
-
+def test_adam_keeps_master_weights_when_loading_a_torch_checkpoint(adam_launches):
+    O, _ = adam_launches
     p = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
     ref = torch.optim.Adam([p], lr=1e-3)
     p.grad = torch.randn(8).to(torch.bfloat16)
@@ -766,15 +765,19 @@ def test_adam_keeps_master_weights_when_loading_a_torch_checkpoint():
     assert opt.param_groups[0]["master_weights"] is True
     st = opt.state[p]
     assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.float32
-    torch.testing.assert_close(st["master_param"], p.detach().float())
     torch.testing.assert_close(st["exp_avg"], ref.state[p]["exp_avg"].float())
+    with torch.no_grad():
+        p.add_(1.0)  # the model is loaded after the optimizer
+    opt.step()  # the master copy is made from the parameter as it is at the step
+    torch.testing.assert_close(st["master_param"], p.detach().float(), rtol=0, atol=0)
 
 
-def test_a_loaded_master_copy_that_does_not_round_to_its_parameter_is_made_again():
+def test_a_loaded_master_copy_that_does_not_round_to_its_parameter_is_made_again(
+        adam_launches):
     """cupylab -> torch -> cupylab: torch's steps move the bf16 parameter and carry the
-    master copy along untouched; on the way back the stale copy must not win."""
-    from cupylab.torch import optim as O
-
+    master copy along untouched; on the way back the stale copy must not win. The check
+    is made at the first step after the load, against the parameter as it is then."""
+    O, seen = adam_launches
     p = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
     ref = torch.optim.Adam([p], lr=1e-3)
     p.grad = torch.randn(8).to(torch.bfloat16)
@@ -784,11 +787,37 @@ def test_a_loaded_master_copy_that_does_not_round_to_its_parameter_is_made_again
     sd["state"][0]["master_param"] = fresh.clone()
     opt = O.Adam([p], lr=1e-3, master_weights=True)
     opt.load_state_dict(sd)
+    opt.step()
     torch.testing.assert_close(opt.state[p]["master_param"], fresh, rtol=0, atol=0)
     sd["state"][0]["master_param"] = p.detach().float() + 1.0  # the parameter moved without it
     opt.load_state_dict(sd)
+    opt.step()
     torch.testing.assert_close(opt.state[p]["master_param"], p.detach().float(), rtol=0, atol=0)
     assert opt.state[p]["exp_avg"].dtype == torch.float32
+    assert len(seen) == 2
+
+
+def test_a_checkpoint_restored_optimizer_first_keeps_its_master_copies(adam_launches):
+    """The usual restore order: fresh model, optimizer loaded, then the model. At the
+    optimizer's load the parameter still holds its initial value; the trained master copy
+    must survive (it rounds to the parameter once the model is loaded)."""
+    O, _ = adam_launches
+    trained = torch.randn(8) * 3
+    p = torch.nn.Parameter(trained.to(torch.bfloat16))
+    opt = O.Adam([p], lr=1e-3, master_weights=True)
+    p.grad = torch.ones(8, dtype=torch.bfloat16)
+    opt.step()
+    opt.state[p]["master_param"] = trained.clone()  # as training leaves it
+    ck_model, ck_opt = p.detach().clone(), opt.state_dict()
+
+    q = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))  # a fresh model's init
+    opt2 = O.Adam([q], lr=1e-3, master_weights=True)
+    opt2.load_state_dict(ck_opt)
+    with torch.no_grad():
+        q.copy_(ck_model)  # model.load_state_dict
+    q.grad = torch.ones(8, dtype=torch.bfloat16)
+    opt2.step()
+    torch.testing.assert_close(opt2.state[q]["master_param"], trained, rtol=0, atol=0)
 
 
 def test_adam_refuses_amsgrad_added_or_loaded_later():

@@ -14,11 +14,12 @@ Differences from torch
   load.
 * ``amsgrad`` is not supported (``ValueError``, also for groups added or loaded later).
 * ``master_weights=True`` keeps float32 master copies (and float32 states) for bfloat16 /
-  float16 parameters (state key ``"master_param"``); loading a state saved without them (a
-  torch optimizer's) keeps the setting and makes the master copies from the parameters. A
-  loaded master copy that does not round to its parameter is stale (the parameter was
-  changed without it, e.g. by a torch optimizer that carried the state through a round
-  trip): it is made again from the parameter.
+  float16 parameters (state key ``"master_param"``). After ``load_state_dict``, the first
+  step that updates a parameter checks its master copy against the parameter as it is then
+  (so the model may be loaded before or after the optimizer): a missing copy (a state saved
+  by a torch optimizer) is made from the parameter, and so is a loaded copy that does not
+  round to the parameter, which is stale (the parameter was changed without it, e.g. by a
+  torch optimizer that carried the state through a round trip).
 * ``capturable=True`` keeps the step on the GPU: a whole training step can be captured in a
   CUDA graph once one eager step has built the launch tables. ``lr`` may be a one-element
   float32 CUDA tensor.
@@ -83,6 +84,7 @@ class _Fused:
     def _cl_setup(self, master_weights):
         self._cl_plans = {}
         self._cl_captured = []  # plans that CUDA graphs point into (P.for_stream)
+        self._cl_unsettled = set()  # params whose loaded master copies are not yet checked
         self.defaults["master_weights"] = bool(master_weights)
         for g in self.param_groups:
             g.setdefault("master_weights", bool(master_weights))
@@ -188,6 +190,8 @@ class _Fused:
         for p, g in zip(params, grads):
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if self._cl_unsettled:
+            self._cl_settle(group, params)
         units, s = [], None
         for cohort in self._cl_cohorts(params):
             if cohort is None:
@@ -255,12 +259,6 @@ class _Fused:
                     v = sv.get(k)
                     if isinstance(v, torch.Tensor):
                         st[k] = v.to(device=p.device, dtype=torch.float32).clone()
-                m = st.get("master_param")
-                if isinstance(m, torch.Tensor) and not torch.equal(m.to(p.dtype), p.detach()):
-                    # every step writes the parameter from its master copy, so a copy that
-                    # does not round to it is stale: the parameter moved without it (steps of
-                    # a torch optimizer that carried the state along, or an assignment)
-                    st["master_param"] = p.detach().float().clone()
         for g in self.param_groups:  # master groups loaded from a state without master copies
             for p in g["params"]:
                 st = self.state.get(p)
@@ -268,7 +266,29 @@ class _Fused:
                     for k in self._cl_state_keys:
                         if isinstance(st.get(k), torch.Tensor):
                             st[k] = st[k].to(torch.float32)
+        # the master copies are checked against the parameters at the next step, not now: a
+        # checkpoint is often restored optimizer first, model second
+        self._cl_unsettled = {p for p, st in self.state.items() if st}
+
+    def _cl_settle(self, group, params):
+        """Master copies of ``params`` loaded since their last step, made consistent with the
+        parameters as they are now (the miss path of the first step after a load). Every step
+        writes a parameter from its master copy, so a loaded copy that does not round to the
+        parameter is stale (the parameter moved without it: steps of a torch optimizer that
+        carried the state along, an assignment) and is made again from the parameter, as is
+        the missing copy of a master-weight parameter loaded from a state without one."""
+        pending = self._cl_unsettled
+        for p in params:
+            if p not in pending:
+                continue
+            pending.discard(p)
+            st = self.state.get(p)
+            m = st.get("master_param") if st else None
+            if m is None:
+                if st and self._cl_master(group, p):
                     st["master_param"] = p.detach().float().clone()
+            elif not torch.equal(m.to(p.dtype), p.detach()):
+                st["master_param"] = p.detach().float().clone()
 
     def state_dict(self):
         sd = super().state_dict()
