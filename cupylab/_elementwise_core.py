@@ -120,9 +120,11 @@ def allocate(kind, shape, dt, device, stream=None):
 
     ``stream``: the stream whose kernels use the array, when that may differ from the
     framework's current stream (a ``stream=`` argument; internal tables and temporaries).
-    Its memory then returns to the allocator only behind the work queued on ``stream``, never
-    under a kernel still running there: torch's ``record_stream``; for CuPy the array is
-    allocated while ``stream`` is current, CuPy's pool reusing memory per stream."""
+    The array is then allocated while ``stream`` is the framework's current stream, so it
+    belongs to that stream as the framework defines it: it is handed out only when free for
+    work on ``stream`` (not while the current stream's queued kernels may still use it), and
+    it returns to the allocator behind ``stream``'s work. torch's caching allocator and
+    CuPy's pool both keep their free lists per stream."""
     if kind == "torch":
         torch = sys.modules["torch"]
         tdt = _torch_dt.get(dt.name)
@@ -131,10 +133,10 @@ def allocate(kind, shape, dt, device, stream=None):
         dev = _torch_dev.get(device)
         if dev is None:
             dev = _torch_dev[device] = torch.device("cuda", device)
-        obj = torch.empty(shape, dtype=tdt, device=dev)
         if stream is not None and stream != _launch.current_stream("torch", device):
-            obj.record_stream(torch.cuda.ExternalStream(stream, device=device))
-        return obj
+            with torch.cuda.stream(_launch.torch_stream(stream, device)):
+                return torch.empty(shape, dtype=tdt, device=dev)
+        return torch.empty(shape, dtype=tdt, device=dev)
     cp = _runtime.cupy()
     if stream is None and (device is None or _runtime.current_device() == device):
         return cp.empty(shape, dtype=_np_dtype_for(dt))

@@ -64,6 +64,23 @@ def cupy_stream(ptr: int, device: int):
     return st
 
 
+_torch_streams: dict = {}
+
+
+def torch_stream(ptr: int, device: int):
+    """A ``torch.cuda.ExternalStream`` for the raw handle ``ptr`` on ``device``, e.g. to make
+    it torch's current stream while allocating: the caching allocator then hands out memory
+    that is free for work on that stream, and takes it back behind that stream's work. The
+    wrappers own nothing and are kept (a few per process)."""
+    key = (ptr, device)
+    st = _torch_streams.get(key)
+    if st is None:
+        if len(_torch_streams) > 64:
+            _torch_streams.clear()
+        st = _torch_streams[key] = sys.modules["torch"].cuda.ExternalStream(ptr, device=device)
+    return st
+
+
 _torch_raw_stream = None
 
 

@@ -34,7 +34,8 @@ TORCH_STREAM, CUPY_STREAM = 0x7000, 0x8000
 
 class FW:
     """The fake frameworks of one test: ``FW.t(...)`` makes a tensor, ``FW.c(...)`` an
-    array; ``FW.allocs`` counts allocations, ``FW.recorded`` the record_stream calls."""
+    array; ``FW.allocs`` counts allocations, ``FW.recorded`` the streams made current for an
+    allocation."""
 
 
 @pytest.fixture
@@ -109,15 +110,19 @@ def fw(monkeypatch, sim):
         def element_size(self):
             return self.dtype.itemsize
 
-        def record_stream(self, s):
-            f.recorded.append(s)
-
     Tensor.__module__ = "torch"
     torch.Tensor = Tensor
     torch.device = lambda kind, index: ("device", kind, index)
     torch.empty = lambda shape, dtype, device: Tensor(shape, dtype, device=device[2])
     torch.empty_like = lambda x: Tensor(x.shape, x.dtype, device=x.get_device())
-    torch.cuda = types.SimpleNamespace(ExternalStream=lambda s, device: ("ext", s, device))
+    @contextlib.contextmanager
+    def torch_stream(ext):  # allocations inside come from that stream's free list
+        f.recorded.append(ext)
+        yield
+
+    torch.cuda = types.SimpleNamespace(ExternalStream=lambda s, device: ("ext", s, device),
+                                       stream=torch_stream)
+    monkeypatch.setattr(_launch, "_torch_streams", {})
 
     class Mem:
         def __init__(self, ptr, device_id):
@@ -418,7 +423,7 @@ def test_elementwise_size_guard_and_streams(fw):
     with pytest.raises(OverflowError, match=r"'n' \(int n\): 2147483648 does not fit"):
         addf(big, big)
     full = fw.full
-    r = addf(a, a, stream=0x42)  # allocating on another stream: the full path records it
+    r = addf(a, a, stream=0x42)  # allocating on another stream: the full path, from its free list
     assert fw.full == full + 1 and fw.recorded == [("ext", 0x42, 0)]
     assert fw.launches[-1]["stream"] == 0x42 and type(r) is fw.t
     addf(a, a, out=a, stream=0x42)  # writing into out= on another stream: lean

@@ -1,7 +1,7 @@
 """Memory that cupylab allocates for a launch on a stream other than the framework's current
 one (a ``stream=`` argument; the multi-tensor tables; temporaries dropped when the call
-returns) goes back to the allocator behind that stream's work, and flags are zeroed on the
-launch stream (no GPU: the frameworks are stand-ins that record what they were asked)."""
+returns) is allocated from, and goes back to, that stream's free memory, and flags are zeroed
+on the launch stream (no GPU: the frameworks are stand-ins that record what they were asked)."""
 import types
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -71,25 +71,41 @@ def test_cupy_allocation_for_another_stream_comes_from_that_streams_pool(fake_cu
     assert fake_cupy.current == 0x10  # restored
 
 
-def test_torch_allocation_for_another_stream_is_recorded_on_it(monkeypatch):
-    recorded = []
+def test_torch_allocation_for_another_stream_is_made_while_it_is_current(monkeypatch):
+    """torch's caching allocator hands out a block freed on the current stream at once for
+    work on that stream; a kernel on another stream is not ordered after that work, so the
+    allocation must be made while the launch stream is current (its own free list)."""
+    state = {"current": 0x5700}
+    allocs = []
 
-    class T:
-        def record_stream(self, s):
-            recorded.append(s)
+    @contextmanager
+    def stream_ctx(ext):  # what torch.cuda.stream(s) does to the allocator's stream
+        old, state["current"] = state["current"], ext[1]
+        try:
+            yield
+        finally:
+            state["current"] = old
+
+    def empty(shape, dtype=None, device=None):
+        allocs.append((shape, device, state["current"]))
+        return object()
 
     torch = types.SimpleNamespace(
-        float32="f32", device=lambda kind, i: (kind, i), empty=lambda *a, **k: T(),
-        cuda=types.SimpleNamespace(ExternalStream=lambda ptr, device: ("ext", ptr, device)))
+        float32="f32", device=lambda kind, i: (kind, i), empty=empty,
+        cuda=types.SimpleNamespace(ExternalStream=lambda ptr, device: ("ext", ptr, device),
+                                   stream=stream_ctx))
     monkeypatch.setitem(core.sys.modules, "torch", torch)
     monkeypatch.setattr(core, "_torch_dt", {})
     monkeypatch.setattr(core, "_torch_dev", {})
-    monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0x5700)
+    monkeypatch.setattr(_launch, "_torch_streams", {})
+    monkeypatch.setattr(_launch, "current_stream", lambda kind, d: state["current"])
     core.allocate("torch", (3,), F32, 0)
-    core.allocate("torch", (3,), F32, 0, 0x5700)
-    assert recorded == []
-    core.allocate("torch", (3,), F32, 1, 0x99)
-    assert recorded == [("ext", 0x99, 1)]
+    core.allocate("torch", (4,), F32, 0, 0x5700)
+    core.allocate("torch", (5,), F32, 1, 0x99)
+    assert allocs == [((3,), ("cuda", 0), 0x5700), ((4,), ("cuda", 0), 0x5700),
+                      ((5,), ("cuda", 1), 0x99)]
+    assert state["current"] == 0x5700  # restored
+    assert _launch.torch_stream(0x99, 1) is _launch.torch_stream(0x99, 1)  # kept
 
 
 def test_cupy_stream_wrappers_are_kept_and_cupys_deprecation_stays_quiet(monkeypatch):

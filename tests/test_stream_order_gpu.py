@@ -63,3 +63,26 @@ def test_a_fresh_flag_is_zeroed_on_the_launch_stream():
     busy.synchronize()
     assert float(flag[0]) == 1.0
     np.testing.assert_allclose(float(total), np.linalg.norm(cp.asnumpy(x[:17])), rtol=1e-5)
+
+
+def test_a_torch_result_for_a_stream_argument_is_not_memory_the_current_stream_still_uses():
+    """torch's caching allocator hands a block freed on the current stream straight back out
+    for work on that stream, while its queued kernels may still write it. A result allocated
+    for a launch on another stream must come from that stream's free memory instead."""
+    torch = pytest.importorskip("torch")
+    n = 2**24 + 3
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(n, device="cuda", generator=gen)
+    y = torch.randn(n, device="cuda", generator=gen)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    b = torch.full((n,), 7.0, device="cuda")
+    for _ in range(40):  # queued on the current stream, still writing b after the host drops it
+        b.mul_(1.0)
+    ptr = b.data_ptr()
+    del b
+    r = cupylab.add(x, y, stream=side)
+    assert r.data_ptr() != ptr
+    side.synchronize()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(r, x + y, rtol=0, atol=0)
