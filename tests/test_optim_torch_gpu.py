@@ -210,6 +210,35 @@ def test_cuda_graph_capture_of_a_capturable_step():
     assert float(o1.state[a[0]]["step"]) == 11.0
 
 
+def test_a_captured_step_keeps_counting_after_the_table_is_rebuilt():
+    """The graph's step points into its cohort's counter: an eager step that rebuilds the
+    table (one parameter without a gradient) keeps that counter for the parameters it
+    steps, so later replays count in the state torch's state_dict reads."""
+    a = _params(torch.float32)
+    lr = torch.tensor(1e-2, device="cuda")
+    opt = _clo().Adam(a, lr=lr, capturable=True)
+    for p in a:
+        p.grad = torch.zeros_like(p)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    graph.replay()
+    counter = opt.state[a[1]]["step"]
+    g0, a[0].grad = a[0].grad, None
+    opt.step()  # eager, a[0] left out: the table is rebuilt
+    a[0].grad = g0
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(opt.state[p]["step"] is counter for p in a[1:])
+    assert float(counter) == 6.0  # warm-up 1, replay 2, eager 3, three replays 6
+
+
 def test_found_inf_skips_on_device():
     a = _params(torch.float32)
     o = _clo().Adam(a, lr=1e-2)

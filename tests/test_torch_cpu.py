@@ -748,9 +748,9 @@ def test_optimizer_keeps_the_tables_a_captured_step_points_into(sgd_launches, mo
     opt.step()  # "during a capture"
     opt.step()
     plan = opt._cl_plans[0][2][0][0]
-    assert len(opt._cl_captured) == 1 and opt._cl_captured[0] is plan
+    assert len(opt._cl_captured) == 1 and opt._cl_captured[0][0] is plan
     opt.load_state_dict(opt.state_dict())  # tables dropped and rebuilt later
-    assert opt._cl_plans == {} and opt._cl_captured == [plan]
+    assert opt._cl_plans == {} and [c[0] for c in opt._cl_captured] == [plan]
 
 
 # -- torch optimizers: checkpoints, late groups, late parameters (no launch) -------------------
@@ -893,6 +893,28 @@ def test_adam_counts_steps_per_parameter_as_torch_does(adam_launches):
     opt.step()
     assert seen == [([a.data_ptr(), b.data_ptr()], 5.0)]
     assert opt.state[a]["step"] is opt.state[b]["step"]
+
+
+def test_adam_rebuild_keeps_the_counter_a_cohort_shares(adam_launches):
+    """A rebuilt table keeps the counter tensor its cohort already shares (a captured graph
+    may count in it); a parameter left out of the step gets a copy, its count staying."""
+    O, seen = adam_launches
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    opt = O.Adam([a, b], lr=1e-3)
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    opt.step()
+    c = opt.state[a]["step"]
+    assert opt.state[b]["step"] is c
+    a.grad = torch.ones(6)[::2]  # a gradient of another layout: the table is rebuilt
+    opt.step()
+    assert opt.state[a]["step"] is c and opt.state[b]["step"] is c and float(c) == 2.0
+    b.grad = None
+    opt.step()  # b left out: a counts on in c, b keeps its count in a copy
+    assert opt.state[a]["step"] is c and float(c) == 3.0
+    assert opt.state[b]["step"] is not c and float(opt.state[b]["step"]) == 2.0
+    b.grad = torch.ones(2)
+    opt.step()  # two cohorts again (a: 4, b: 3), each with its own counter
+    assert float(opt.state[a]["step"]) == 4.0 and float(opt.state[b]["step"]) == 3.0
 
 
 def test_adam_new_gradients_are_patched_into_each_cohorts_table(adam_launches, monkeypatch):

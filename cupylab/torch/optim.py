@@ -83,7 +83,8 @@ class _Fused:
 
     def _cl_setup(self, master_weights):
         self._cl_plans = {}
-        self._cl_captured = []  # plans that CUDA graphs point into (P.for_stream)
+        # (plan, step counter) that CUDA graphs point into (P.for_stream), kept alive
+        self._cl_captured = []
         self._cl_unsettled = set()  # params whose loaded master copies are not yet checked
         self.defaults["master_weights"] = bool(master_weights)
         for g in self.param_groups:
@@ -178,7 +179,7 @@ class _Fused:
                 plan = P.for_stream(plan, s)
                 if plan.captured and not plan.pinned:  # a graph points into it: keep it
                     plan.pinned = True
-                    self._cl_captured.append(plan)
+                    self._cl_captured.append((plan, st))
                 out.append((plan, st))
         return s, out
 
@@ -199,7 +200,7 @@ class _Fused:
             else:
                 count, idx = cohort
                 ps, gs = [params[i] for i in idx], [grads[i] for i in idx]
-                st = torch.tensor(count, dtype=torch.float32)
+                st = self._cl_counter(ps, count)
             lists, names, writes = self._cl_lists(group, ps, gs)
             plan, s = F._validate(f"{type(self).__name__}.step", names, lists, writes,
                                   (1,), None, ())
@@ -209,6 +210,21 @@ class _Fused:
             units.append((plan, idx if idx is None or len(idx) < len(params) else None, ps, st))
         self._cl_plans[gi] = (kp, kg, units)
         return s, [(plan, st) for plan, _, _, st in units]
+
+    def _cl_counter(self, ps, count):
+        """The step counter of a cohort: the one its params already share, if they do (a
+        captured graph may point into it and count in it), params outside the cohort that
+        shared it getting a copy of their own (their count stays); else a new CPU tensor
+        holding ``count``."""
+        st = self.state[ps[0]].get("step")
+        if not (isinstance(st, torch.Tensor) and all(self.state[p].get("step") is st
+                                                     for p in ps)):
+            return torch.tensor(count, dtype=torch.float32)
+        members = set(ps)
+        for p, s in self.state.items():
+            if s.get("step") is st and p not in members:
+                s["step"] = st.clone()
+        return st
 
     def _cl_device_step(self, gi, k):
         """Cohort ``k``'s counter moved to its plan's GPU (a capturable step, or
