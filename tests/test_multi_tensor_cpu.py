@@ -395,6 +395,31 @@ def test_pinned_plans_outlive_the_lru_bound_but_not_their_arrays():
     P.cache_clear()
 
 
+def test_a_pinned_per_stream_copy_goes_when_its_arrays_die():
+    """A graph captured on a stream with its own copy of the table pins that copy, which has
+    no weak references of its own: the cached plan is kept with it, so that an array's death
+    still unpins both after the LRU bound dropped the entry."""
+    P.cache_clear()
+    mine = [_Obj(), _Obj()]
+    base, copy = P.Plan(), P.Plan()
+    P.cache_put(("pin",), base, mine)
+    ref = weakref.ref(copy)
+    P.pin(("pin",), copy)
+    assert P._pinned[("pin",)] == [base, copy] and copy.pinned
+    P.pin(("pin",), copy)  # pinned once
+    assert len(P._pinned[("pin",)]) == 2
+    others = [_Obj() for _ in range(P.CACHE_SIZE + 1)]
+    for i, o in enumerate(others):
+        P.cache_put(("other", i), P.Plan(), [o])
+    del base, copy
+    gc.collect()
+    assert P.cache_get(("pin",)) is None and ref() is not None
+    del mine[0]
+    gc.collect()
+    assert ref() is None and ("pin",) not in P._pinned
+    P.cache_clear()
+
+
 def test_a_stream_argument_uses_the_cache_too(monkeypatch):
     """A list called with stream= is cached like any other (its table per stream), so a
     stream= call on an unchanged list does no per-tensor work either."""

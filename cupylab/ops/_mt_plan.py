@@ -512,11 +512,18 @@ def _evict(key):
 
 def pin(key, plan):
     """Keep ``plan`` (launched during a capture, :func:`for_stream`) as long as the arrays of
-    the cached list ``key`` live, whatever the LRU bound drops."""
+    the cached list ``key`` live, whatever the LRU bound drops. The cached plan of ``key`` is
+    kept with it when ``plan`` is one of its per-stream copies: its weak references to the
+    arrays are what unpins them when one dies."""
     with _lock:
-        if key in _cache:  # else an array died already: nothing left to replay into
-            _pinned.setdefault(key, []).append(plan)
-            plan.pinned = True
+        base = _cache.get(key)
+        if base is None:  # an array died already: nothing left to replay into
+            return
+        kept = _pinned.setdefault(key, [])
+        for q in (base, plan):
+            if not any(q is k for k in kept):
+                kept.append(q)
+        plan.pinned = True
 
 
 def cache_get(key):
