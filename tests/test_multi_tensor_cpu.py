@@ -5,6 +5,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -339,6 +340,21 @@ def test_a_plan_is_launched_on_its_own_stream_and_copied_for_another(streams):
         P.for_stream(plan, 0x100 + k)
     assert len(plan.siblings) == P.MAX_SIBLINGS and 0xB not in plan.siblings
     assert 0x100 in plan.siblings
+
+
+def test_the_per_thread_default_stream_is_a_stream_per_thread(streams):
+    """cudaStreamPerThread (handle 2) is another stream in every thread: each thread gets its
+    own copy of the table, and a thread's calls keep using its own."""
+    plan = _plan(0xA, streams.rt)
+    mine = P.for_stream(plan, 2)
+    assert mine is not plan and P.for_stream(plan, 2) is mine
+    got = []
+    t = threading.Thread(target=lambda: got.append(P.for_stream(plan, 2)))
+    t.start()
+    t.join()
+    assert got[0] is not mine and got[0] is not plan
+    assert len(streams.uploads) == 2 and all(u[0] == 2 for u in streams.uploads)
+    assert P.stream_key(0xA) == 0xA and P.stream_key(2) == (2, threading.get_ident())
 
 
 def test_a_pending_upload_is_waited_for_on_the_gpu_until_seen_complete(streams):

@@ -320,10 +320,20 @@ def capturing(rt, stream):
         return True
 
 
+_PER_THREAD = 2  # cudaStreamPerThread: each thread's own default stream under one handle
+
+
+def stream_key(stream):
+    """What tells streams apart for a plan: the handle, and for the per-thread default
+    stream (one handle, a stream per thread) the handle with the thread."""
+    return (_PER_THREAD, threading.get_ident()) if stream == _PER_THREAD else stream
+
+
 def for_stream(plan, stream):
     """The plan to launch on ``stream``, given the plan a list was set up with.
 
-    A plan is launched on the stream it was uploaded on (``plan.stream``): its workspace is
+    A plan is launched on the stream it was uploaded on (``plan.stream``, a
+    :func:`stream_key`): its workspace is
     used by one stream at a time, and its memory, which came from the pool of that stream,
     goes back behind the stream's last launch. A list used on another stream gets a copy of
     its tables uploaded there, kept in ``plan.siblings`` (one per stream, the
@@ -338,19 +348,20 @@ def for_stream(plan, stream):
     long as the list's arrays live (:func:`pin`). The host never waits."""
     rt = _runtime.cupy().cuda.runtime
     cap = capturing(rt, stream)
-    if stream != plan.stream:
-        sib = plan.siblings.get(stream)
+    key = stream_key(stream)
+    if key != plan.stream:
+        sib = plan.siblings.get(key)
         if sib is not None:
             plan = sib
         elif not cap:
             with _lock:  # threads on two new streams at once: each makes its own copy
                 sibs = plan.siblings
-                sib = sibs.get(stream)
+                sib = sibs.get(key)
                 if sib is None:
                     if len(sibs) >= MAX_SIBLINGS:  # a stream per step: the oldest copy goes
                         del sibs[next(iter(sibs))]  # (its memory back behind its stream)
                     groups, blob, tb_off = plan.layout
-                    sib = sibs[stream] = _upload_plan(plan.device, plan.kind, plan.sizes,
+                    sib = sibs[key] = _upload_plan(plan.device, plan.kind, plan.sizes,
                                                       plan.chunk, groups, blob, tb_off,
                                                       plan.nblocks, stream)
             plan = sib
@@ -394,7 +405,8 @@ def _upload_plan(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stre
     base = buf.data.ptr
     plan = Plan()
     plan.device, plan.kind, plan.n, plan.sizes, plan.chunk = device, kind, len(sizes), sizes, chunk
-    plan.nblocks, plan.buf, plan.stream, plan.tb_ptr = nblocks, buf, stream, base + tb_off
+    plan.nblocks, plan.buf, plan.tb_ptr = nblocks, buf, base + tb_off
+    plan.stream = stream_key(stream)
     plan.partial, plan.scratch = base + ws_off, base + ws_off + 8 * max(nblocks, 1)
     plan.refs = None
     plan.upload = up
