@@ -239,6 +239,41 @@ def test_a_captured_step_keeps_counting_after_the_table_is_rebuilt():
     assert float(counter) == 6.0  # warm-up 1, replay 2, eager 3, three replays 6
 
 
+def test_whole_network_capture_with_gradients_zeroed_in_place():
+    """The capture recipe the docs give: warm-up step on a side stream, then forward,
+    backward and step captured with the gradients zeroed in place inside the graph; replays
+    match torch's AdamW stepping eagerly on the same batches."""
+    torch.manual_seed(0)
+    m1 = torch.nn.Linear(33, 7).cuda()
+    m2 = copy.deepcopy(m1)
+    o1 = _clo().AdamW(m1.parameters(), lr=torch.tensor(1e-2, device="cuda"), capturable=True)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    x = torch.randn(16, 33, device="cuda")
+
+    def step(m, o):
+        o.zero_grad(set_to_none=False)
+        m(x).square().mean().backward()
+        o.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(m1, o1)  # warm-up: the gradient tensors, the states and the launch tables
+    torch.cuda.current_stream().wait_stream(side)
+    step(m2, o2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(m1, o1)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for _ in range(5):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        graph.replay()
+        step(m2, o2)
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert float(o1.state[m1.weight]["step"]) == 6.0
+
+
 def test_found_inf_skips_on_device():
     a = _params(torch.float32)
     o = _clo().Adam(a, lr=1e-2)

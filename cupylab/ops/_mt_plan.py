@@ -455,6 +455,13 @@ def repoint(plan, slot, ptrs, stream):
     and uploaded as a new table on ``stream``; nothing is regrouped or validated here (the
     caller checks the new arrays). An optimizer's gradients are new tensors after every
     ``zero_grad(set_to_none=True)``: this keeps the step's host work small for them."""
+    if capturing(_runtime.cupy().cuda.runtime, stream):
+        raise RuntimeError(
+            "cupylab.torch.optim: the gradients are new tensors during a CUDA graph capture "
+            "(zero_grad(set_to_none=True) before it), and the step's launch table cannot be "
+            "re-pointed at them then (nothing can be uploaded during a capture). Keep the "
+            "warm-up step's gradient tensors: zero them in place inside the captured region "
+            "(optimizer.zero_grad(set_to_none=False) before backward)")
     groups, blob, tb_off = plan.layout
     return _upload_plan(plan.device, plan.kind, plan.sizes, plan.chunk, groups,
                         patch(groups, blob, slot, ptrs), tb_off, plan.nblocks, stream)

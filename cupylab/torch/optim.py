@@ -21,7 +21,11 @@ Differences from torch
   round to the parameter, which is stale (the parameter was changed without it, e.g. by a
   torch optimizer that carried the state through a round trip).
 * ``capturable=True`` keeps the step on the GPU: a whole training step can be captured in a
-  CUDA graph once one eager step has built the launch tables. ``lr`` may be a one-element
+  CUDA graph once one eager step has built the launch tables. The gradients the captured
+  step reads must be the tensors of that eager step: zero them in place inside the captured
+  region (``zero_grad(set_to_none=False)`` before ``backward``), not with
+  ``set_to_none=True`` before the capture as torch's whole-network recipe does (new gradient
+  tensors during a capture raise ``RuntimeError``: the table cannot be re-pointed then). ``lr`` may be a one-element
   float32 CUDA tensor.
 * ``step(found_inf=..., grad_scale=...)`` (or the attributes of the same names, set by
   ``torch.amp.GradScaler`` for optimizers with ``_step_supports_amp_scaling``): one-element
