@@ -25,6 +25,21 @@ def c_strides(shape):
     return tuple(reversed(st))
 
 
+def overlaps_itself(shape, strides):
+    """Whether a view of ``shape`` and ``strides`` (elements) may put two of its elements at
+    one address (an ``as_strided`` view, a broadcast): then it cannot be written. Sufficient
+    test for the contrary: ordered by stride, each dimension steps past everything the
+    smaller ones reach. Empty views never overlap."""
+    if 0 in shape:
+        return False
+    reach = 0
+    for st, e in sorted((abs(st), e) for st, e in zip(strides, shape) if e > 1):
+        if st <= reach:
+            return True
+        reach += st * (e - 1)
+    return False
+
+
 def broadcast_shapes(shapes, what="operands"):
     """NumPy broadcasting of several shapes; raises ``ValueError`` naming them all."""
     nd = max((len(s) for s in shapes), default=0)
@@ -441,10 +456,13 @@ def _check_out_static(name, out, shape, dt, ov=None):
         raise TypeError(f"{name}: out has dtype {ov.dtype.name}, expected {dt.name}")
     if any(s == 0 and e > 1 for s, e in zip(ov.strides, ov.shape)) and 0 not in ov.shape:
         raise ValueError(f"{name}: out has zero strides (a broadcast view); it cannot be written")
+    if overlaps_itself(ov.shape, ov.strides):
+        raise ValueError(f"{name}: out overlaps itself (strides {ov.strides} for shape "
+                         f"{ov.shape} put several elements at one address); it cannot be written")
     return ov
 
 
-def check_overlap(name, ov, shape, views, names):
+def check_overlap(name, ov, shape, views, names, out_name="out"):
     """Refuse an ``out`` that shares memory with an input unless it is exactly that input
     (same pointer and strides over the broadcast shape). Conservative: byte ranges that
     intersect count as overlap even if interleaved views never touch the same element."""
@@ -460,5 +478,5 @@ def check_overlap(name, ov, shape, views, names):
         sp = _span(v, shape, bst)
         if sp is not None and sp[0] < ospan[1] and ospan[0] < sp[1]:
             raise ValueError(
-                f"{name}: out overlaps {names[i]} without being exactly the same view; "
+                f"{name}: {out_name} overlaps {names[i]} without being exactly the same view; "
                 "partial overlap would read elements after they are written")

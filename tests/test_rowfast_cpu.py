@@ -170,6 +170,24 @@ def test_what_it_leaves_to_the_general_path(fake, case, monkeypatch):
     assert fake == [] and rf._plans == {}
 
 
+def test_an_inplace_residual_over_x_or_the_weight_is_left_to_the_general_path(fake):
+    """h written into a residual that partly overlaps x or the weight is refused by the
+    general path: the lean path must not launch it. An unaligned residual written in place
+    is a planned operand, not a fresh output: it stays lean."""
+    base = 0x7F10_0000_0000
+    x, r = Arr((4, 64), ptr=base + 256), Arr((4, 64), ptr=base)
+    assert rf.norm("add_rms_norm", x, r, None, None, 1e-6, False, True) is rf.MISS
+    w = Arr((64,), ptr=base + 0x10000)
+    r2 = Arr((4, 64), ptr=base + 0x10000 - 256)
+    assert rf.norm("add_rms_norm", Arr((4, 64)), r2, w, None, 1e-6, False, True) is rf.MISS
+    assert fake == []
+    x3, r3 = Arr((4, 64)), Arr((4, 64), ptr=base + 0x20004)  # 4 bytes off 16
+    y, h = rf.norm("add_rms_norm", x3, r3, None, None, 1e-6, False, True)
+    assert h is r3 and len(fake) == 1
+    y, h = rf.norm("add_rms_norm", x3, x3, None, None, 1e-6, False, True)  # exactly x: fine
+    assert h is x3 and len(fake) == 2
+
+
 def test_a_host_or_unknown_array_misses_without_a_gpu():
     assert rf.softmax("softmax", np.ones((2, 3), np.float32), -1) is rf.MISS
     assert rf.norm("rms_norm", [1.0, 2.0], None, None, None, 1e-6, False, False) is rf.MISS

@@ -152,6 +152,48 @@ def test_errors_need_no_gpu():
         cupylab.cross_entropy(x, x, label_smoothing=2.0)
 
 
+def test_add_rms_norm_needs_a_residual(sim):
+    with pytest.raises(TypeError, match="add_rms_norm: residual is required"):
+        cupylab.add_rms_norm(FakeCAI((4, 64)), None, None)
+    assert sim["launches"] == []
+
+
+def test_an_inplace_residual_is_checked_as_an_output(sim):
+    """h is written into the residual with inplace=True: the rules of out= apply to it (no
+    partial overlap with x or the weight, no broadcast), and to every output no view whose
+    elements share addresses."""
+    base = 0x7F00_F000_0000
+    x, r = FakeCAI((4, 64), ptr=base + 256), FakeCAI((4, 64), ptr=base)
+    with pytest.raises(ValueError, match="add_rms_norm: residual overlaps x"):
+        cupylab.add_rms_norm(x, r, None, inplace=True)
+    rb = FakeCAI((4, 64), ptr=base + 0x100000, strides=(0, 4))
+    with pytest.raises(ValueError, match="residual has zero strides"):
+        cupylab.add_rms_norm(FakeCAI((4, 64), ptr=base + 0x200000), rb, None, inplace=True)
+    w = FakeCAI((64,), ptr=base + 0x300000)
+    r2 = FakeCAI((4, 64), ptr=base + 0x300000 - 256)
+    with pytest.raises(ValueError, match="residual overlaps weight"):
+        cupylab.add_rms_norm(FakeCAI((4, 64), ptr=base + 0x400000), r2, w, inplace=True)
+    tight = FakeCAI((4, 64), ptr=base + 0x500000, strides=(128, 4))  # rows 32 apart
+    with pytest.raises(ValueError, match="rms_norm: out overlaps itself"):
+        cupylab.rms_norm(FakeCAI((4, 64), ptr=base + 0x600000), out=tight)
+    with pytest.raises(ValueError, match="add: out overlaps itself"):
+        cupylab.add(FakeCAI((4, 64), ptr=base + 0x700000), 1.0, out=tight)
+    assert sim["launches"] == []
+
+
+def test_overlaps_itself():
+    from cupylab._elementwise_core import overlaps_itself
+
+    assert not overlaps_itself((4, 64), (64, 1))
+    assert not overlaps_itself((4, 64), (1, 4))  # Fortran order
+    assert not overlaps_itself((4, 64), (-64, 1))  # reversed rows
+    assert not overlaps_itself((3, 1, 5), (5, 0, 1))  # a length-1 axis of stride 0
+    assert not overlaps_itself((0, 4), (0, 0))
+    assert overlaps_itself((4, 64), (32, 1))
+    assert overlaps_itself((4, 64), (0, 1))
+    assert overlaps_itself((2, 2), (1, 1))
+
+
 def test_check_stats_layout():
     a = F32
     rc.check_stats("op", "mean", _V(0x0, (0,), (0,), a), 0, a)  # empty: any strides

@@ -17,7 +17,8 @@ import os
 import struct
 
 from .. import _arrays, _compile, _dtypes, _launch, _runtime
-from .._elementwise_core import allocate, c_strides, check_overlap, coalesce, finish_output
+from .._elementwise_core import (allocate, c_strides, check_overlap, coalesce, finish_output,
+                                 overlaps_itself)
 
 FLOATS = tuple(_dtypes.from_name(n) for n in ("float16", "bfloat16", "float32", "float64"))
 F32 = _dtypes.from_name("float32")
@@ -393,14 +394,16 @@ def check_out(opname, name, v, shape, dt):
     if 0 not in v.shape and any(s == 0 and e > 1 for s, e in zip(v.strides, v.shape)):
         raise ValueError(f"{opname}: {name} has zero strides (a broadcast view); it cannot be "
                          "written")
+    if overlaps_itself(v.shape, v.strides):
+        raise ValueError(f"{opname}: {name} overlaps itself (strides {v.strides} for shape "
+                         f"{v.shape} put several elements at one address); it cannot be written")
 
 
 def overlap(opname, out, out_name, inputs):
     """``out`` may be exactly one of the inputs (in place) but must not partly overlap any."""
     names = [n for n, v in inputs if v is not None]
     views = [v for _, v in inputs if v is not None]
-    check_overlap(opname, out, out.shape, views, names)
-    del out_name
+    check_overlap(opname, out, out.shape, views, names, out_name)
 
 
 def new_array(c, shape, dt):

@@ -195,6 +195,11 @@ def _weight(fw, tp, w, fdt, cols, dev):
     return None
 
 
+def _overlap(a, alen, b, blen):
+    """Whether the byte spans ``[a, a + alen)`` and ``[b, b + blen)`` meet."""
+    return a < b + blen and b < a + alen
+
+
 def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
     """``rms_norm`` / ``layer_norm`` / ``add_rms_norm`` with ``out=None``, ``stream=None``:
     the result as the general path returns it, or :data:`MISS`."""
@@ -213,11 +218,16 @@ def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
             p1 = _same(fw, tp, residual, px)
             if p1 is None:
                 return MISS
+            nb = math.prod(shape) * fdt.itemsize
+            if inplace and p1 != p0 and _overlap(p0, nb, p1, nb):
+                return MISS  # h written over part of x: the general path refuses it
         if weight is not None:
             r = _weight(fw, tp, weight, fdt, cols, dev)
             if r is None:
                 return MISS
             pw, flags, wdt = r
+            if inplace and residual is not None and _overlap(pw, cols * wdt.itemsize, p1, nb):
+                return MISS  # h written over the weight
         if bias is not None:
             r = _weight(fw, tp, bias, fdt, cols, dev)
             if r is None or (wdt is not None and r[2] != wdt):
@@ -236,7 +246,7 @@ def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
         plan = _plans.get(key)
         if plan is None:
             plan = _plan(key, opname, (x, residual, y, h), weight, flags, dev)
-        if (py | ph) & 15:
+        if py & 15 or (ph & 15 and not inplace):
             return MISS  # a fresh output off 16 bytes: not what the plan assumed
         mean = rstd = None
         pm = ps = 0

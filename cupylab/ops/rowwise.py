@@ -174,6 +174,10 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
         if inplace and rv.readonly:
             raise ValueError(f"{opname}: residual is read-only ({rv.kind}); inplace=True needs "
                              "a writable residual")
+        if inplace:  # h is written into it: an output's rules
+            rc.check_out(opname, "residual", rv, xv.shape, xv.dtype)
+            rc.overlap(opname, rv, "residual", [("x", xv), ("weight", v.get("weight")),
+                                                 ("bias", v.get("bias"))])
     if out is not None:
         ov = v["out"]
         rc.check_out(opname, "out", ov, xv.shape, xv.dtype)
@@ -234,6 +238,9 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, return_stats=False, out=None
 
 def add_rms_norm(x, residual, weight, eps=1e-6, inplace=False, out=None, *, return_stats=False,
                  stream=None):
+    if residual is None:
+        raise TypeError("add_rms_norm: residual is required (a GPU array of x's shape and "
+                        "dtype); without one, call rms_norm")
     return _norm("add_rms_norm", x, residual, weight, None, eps, return_stats, inplace, out,
                  stream)
 
