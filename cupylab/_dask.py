@@ -25,7 +25,7 @@ import functools
 import math
 import numbers
 
-from . import _dtypes
+from . import _dtypes, _runtime
 
 __all__ = ["is_dask", "any_dask", "elementwise", "view"]
 
@@ -324,9 +324,12 @@ def _ce_call(fn, ignore_index, label_smoothing, logits, target):
 
 def _as_dask(a):
     """``a`` (checked by :func:`view`) as a Dask array: itself, or a one-chunk Dask array of
-    a GPU array."""
+    a GPU array (a bare ``__cuda_array_interface__`` object wrapped as a CuPy array first,
+    zero-copy)."""
     if is_dask(a):
         return a
+    if not hasattr(a, "shape"):
+        a = _runtime.cupy().asarray(a)
     import dask.array as da  # noqa: PLC0415
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
@@ -346,7 +349,9 @@ def norm_backward(name, fn, dy, x, weight, stats, stream):
     """The lazy gradients of a norm's backward ``fn`` (:func:`cupylab.rms_norm_backward` or
     :func:`cupylab.layer_norm_backward`) on Dask arrays: ``dx`` chunk by chunk (whole rows,
     the statistics' chunks aligned with the rows'), and the weight (and bias) gradients as
-    Dask's float32 sum of every chunk's own, cast to the weight's dtype. The chunk's kernel
+    Dask's sum of every chunk's own in the accumulation dtype (float64 for float64 x, else
+    float32; a 16-bit weight is given to the chunks as float32, so that each chunk's sums
+    come back unrounded), cast once to the weight's dtype. The chunk's kernel
     runs once for ``dx`` and once more for the weight gradients (two tasks per chunk).
     ``stats``: ``(name, array)`` pairs, the forward's statistics in ``fn``'s order. The eager
     operator's checks run first (x of a float dtype, at least 1-D, with columns; dy of its
@@ -377,38 +382,55 @@ def norm_backward(name, fn, dy, x, weight, stats, stream):
                              f"row); got {sv.shape}")
         rc.check_stats(name, pname, sv, math.prod(lead_shape), rc.acc_dtype(xv.dtype))
     rc.check_columns(name, xv.shape)
-    xd = _whole_rows(name, "x", _as_dask(x), nd - 1)
-    dyd = _whole_rows(name, "dy", _as_dask(dy), nd - 1).rechunk(xd.chunks)
-    st = [_as_dask(a).rechunk(xd.chunks[:-1]) for _, a in stats]
+    # the chunks of the first Dask operand (dy, x, then the statistics), rows made whole
+    lead = next((a for a in (dy, x) if is_dask(a)), None)
+    if lead is not None:
+        chunks = _whole_rows(name, "dy" if lead is dy else "x", lead, nd - 1).chunks
+    else:
+        chunks = next(a for _, a in stats if is_dask(a)).chunks + ((xv.shape[-1],),)
+    xd = _whole_rows(name, "x", _as_dask(x), nd - 1).rechunk(chunks)
+    dyd = _whole_rows(name, "dy", _as_dask(dy), nd - 1).rechunk(chunks)
+    st = [_as_dask(a).rechunk(chunks[:-1]) for _, a in stats]
     rows = tuple(range(nd - 1))
     full = rows + (nd - 1,)
     args = [dyd, full, xd, full]
     for a in st:
         args += [a, rows]
-    dx = da.blockwise(functools.partial(_nb_call, fn, weight, False), full, *args,
+    dx = da.blockwise(functools.partial(_nb_call, fn, weight, None), full, *args,
                       name=_key(name, [weight]), dtype=xd.dtype, concatenate=True,
                       meta=meta_from_array(xd._meta, ndim=nd, dtype=xd.dtype))
     if weight is None:
         return (dx, None, None) if len(stats) == 2 else (dx, None)
     k = len(stats)  # weight gradients: dweight, and dbias for layer_norm
-    f32 = _np_float32()
-    part = da.blockwise(functools.partial(_nb_call, fn, weight, True), rows + (nd, nd - 1),
+    acc = xd.dtype if xd.dtype.itemsize == 8 else _np_float32()  # rc.acc_dtype's rule
+    wa = weight
+    if xv.dtype.itemsize == 2 and _is_16bit(weight):
+        import cupy  # noqa: PLC0415 - a GPU weight beside Dask arrays of GPU chunks
+
+        # each chunk's sums come back unrounded (the op takes float32 weights with 16-bit x)
+        wa = cupy.asarray(weight).astype(cupy.float32)
+    part = da.blockwise(functools.partial(_nb_call, fn, wa, acc), rows + (nd, nd - 1),
                         *args, name=_key(f"{name}-grads", [weight]), new_axes={nd: k},
                         adjust_chunks={i: 1 for i in rows},
-                        dtype=f32, concatenate=True,
-                        meta=meta_from_array(xd._meta, ndim=nd + 1, dtype=f32))
-    g = part.sum(axis=rows, dtype=f32).astype(weight.dtype)
+                        dtype=acc, concatenate=True,
+                        meta=meta_from_array(xd._meta, ndim=nd + 1, dtype=acc))
+    g = part.sum(axis=rows, dtype=acc).astype(weight.dtype)
     return (dx,) + tuple(g[j] for j in range(k))
 
 
-def _nb_call(fn, weight, grads, dy, x, *stats):
-    """One chunk's backward: ``dx``, or with ``grads`` its weight gradients (dweight, and
-    dbias for layer_norm) stacked in float32, shape ``(1, ..., 1, k, n)``: one per chunk of
+def _is_16bit(weight):
+    """Whether ``weight`` is a 16-bit float array."""
+    return getattr(weight.dtype, "itemsize", 0) == 2
+
+
+def _nb_call(fn, weight, acc, dy, x, *stats):
+    """One chunk's backward: ``dx`` (``acc`` None), or its weight gradients (dweight, and
+    dbias for layer_norm) stacked in ``acc``, shape ``(1, ..., 1, k, n)``: one per chunk of
     rows."""
     import numpy as np  # noqa: PLC0415 - dispatches to the chunk's array type (NEP 18)
 
     r = fn(dy, x, weight, *stats)
-    if not grads:
+    if acc is None:
         return r[0]
-    g = np.stack([w.astype("float32") for w in r[1:]])
+    g = np.stack([w.astype(acc) for w in r[1:]])
     return g.reshape((1,) * (x.ndim - 1) + g.shape)

@@ -2,6 +2,7 @@
 meta, broadcasting, bad input) with a stand-in chunk type, and the graph's wiring computed with
 NumPy standing in for the per-chunk GPU call (no GPU needed)."""
 import subprocess
+import types
 import sys
 
 import numpy as np
@@ -325,8 +326,9 @@ def numpy_norm_bwd(monkeypatch):
     """Each chunk's norm backward done by NumPy (float64), in the chunk call's shapes."""
     seen = []
 
-    def nb_call(fn, weight, grads, dy, x, *stats):
-        seen.append((fn.__name__, grads, x.shape, [s.shape for s in stats]))
+    def nb_call(fn, weight, acc, dy, x, *stats):
+        seen.append((fn.__name__, acc, x.shape, [s.shape for s in stats],
+                     None if weight is None else np.dtype(weight.dtype)))
         dy, x = np.asarray(dy, np.float64), np.asarray(x, np.float64)
         w = np.ones(x.shape[-1]) if weight is None else np.asarray(weight, np.float64)
         rstd = np.asarray(stats[-1], np.float64)[..., None]
@@ -337,10 +339,10 @@ def numpy_norm_bwd(monkeypatch):
             dx = rstd * (g - g.mean(-1, keepdims=True) - xh * (g * xh).mean(-1, keepdims=True))
         else:
             dx = rstd * (g - xh * (g * xh).mean(-1, keepdims=True))
-        if not grads:
+        if acc is None:
             return dx.view(Chunk)
         red = tuple(range(x.ndim - 1))
-        part = np.stack([(dy * xh).sum(red), dy.sum(red)][:len(stats)]).astype(np.float32)
+        part = np.stack([(dy * xh).sum(red), dy.sum(red)][:len(stats)]).astype(acc)
         return part.reshape((1,) * (x.ndim - 1) + part.shape).view(Chunk)
 
     monkeypatch.setattr(_dask, "_nb_call", nb_call)
@@ -369,20 +371,81 @@ def test_norm_backward_on_chunks(numpy_norm_bwd, layer):
     assert dx.shape == x.shape and dx.chunks[-1] == (16,) and type(dx._meta) is Chunk
     assert dw.shape == (16,) and dw.dtype == np.float64
     xh = (x - (mean[..., None] if layer else 0)) * rstd[..., None]
+    # float64 x: the chunks' sums are added in float64, not rounded to float32 on the way
     np.testing.assert_allclose(np.asarray(dw.compute(scheduler="sync")),
-                               (dy * xh).sum((0, 1)), rtol=1e-5)
+                               (dy * xh).sum((0, 1)), rtol=1e-12)
     if layer:
         np.testing.assert_allclose(np.asarray(db.compute(scheduler="sync")), dy.sum((0, 1)),
-                                   rtol=1e-5)
+                                   rtol=1e-12)
     dxv = np.asarray(dx.compute(scheduler="sync"))
     g = dy * w
     mg = g.mean(-1, keepdims=True) if layer else 0
     ref = rstd[..., None] * (g - mg - xh * (g * xh).mean(-1, keepdims=True))
     np.testing.assert_allclose(dxv, ref, rtol=1e-6)
     assert all(shape[-1] == 16 and [s for s in st] == [shape[:-1]] * len(st)
-               for _, _, shape, st in numpy_norm_bwd)  # whole rows, statistics aligned
+               for _, _, shape, st, _ in numpy_norm_bwd)  # whole rows, statistics aligned
     nogw = cupylab.rms_norm_backward(dyd, xd, None, chunked(rstd, 20))
     assert nogw[1] is None
+
+
+def test_norm_backward_takes_the_chunks_of_the_first_dask_operand(numpy_norm_bwd):
+    """dy is the first row operand: x given as a plain GPU array follows dy's chunks (it was
+    the other way round, merging every chunk into one task)."""
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal((12, 8)), rng.standard_normal((12, 8))
+    _, rstd = _np_norm(x, False)
+    dx, _ = cupylab.rms_norm_backward(chunked(dy, (4, 8)), x.view(Chunk), None, rstd.view(Chunk))
+    assert dx.chunks == ((4, 4, 4), (8,))
+    dx, _ = cupylab.rms_norm_backward(dy.view(Chunk), x.view(Chunk), None, chunked(rstd, 6))
+    assert dx.chunks == ((6, 6), (8,))  # only the statistics are Dask arrays
+
+
+def test_norm_backward_gives_16_bit_weights_to_the_chunks_as_float32(numpy_norm_bwd,
+                                                                    monkeypatch):
+    """Each chunk's weight gradient comes back unrounded (float32) and the sum is rounded to
+    the weight's dtype once; dx is computed with the weight as given."""
+    import types
+
+    made = []
+
+    def asarray(a):
+        made.append(a)
+        return np.asarray(a).view(Chunk)
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(asarray=asarray,
+                                                                   float32=np.float32))
+    x = np.ones((8, 4), np.float16)
+    w = np.ones(4, np.float16).view(Chunk)
+    r = np.ones(8, np.float32)
+    dx, dw = cupylab.rms_norm_backward(chunked(x, (4, 4)), chunked(x, (4, 4)), w, chunked(r, 4))
+    assert dw.dtype == np.float16 and dx.dtype == np.float16
+    dw.compute(scheduler="sync")
+    dx.compute(scheduler="sync")
+    assert made and made[0] is w
+    # dx with the float16 weight; the weight gradients with float32 weights, summed in float32
+    calls = {(acc is None, None if acc is None else np.dtype(acc), wdt)
+             for _, acc, _, _, wdt in numpy_norm_bwd}
+    f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
+    assert calls == {(True, None, f16), (False, f32, f32)}
+
+
+def test_a_bare_cuda_array_interface_row_operand_beside_dask_arrays(numpy_norm_bwd,
+                                                                     monkeypatch):
+    """A row operand given as a bare __cuda_array_interface__ object (no shape attribute) is
+    wrapped as a CuPy array (zero-copy) for the graph, not read as if it had a shape."""
+    from cupylab import _runtime
+
+    wrapped = []
+
+    def asarray(a):
+        wrapped.append(a)
+        return np.ones(a.__cuda_array_interface__["shape"], np.float32).view(Chunk)
+
+    monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(asarray=asarray))
+    x = chunked(np.ones((8, 6), np.float32), (4, 6))
+    rstd = FakeCAI((8,), "<f4")
+    dx, _ = cupylab.rms_norm_backward(x, x, None, rstd)
+    assert wrapped == [rstd] and dx.chunks == ((4, 4), (6,))
 
 
 def test_norm_backward_dask_errors():
