@@ -444,15 +444,25 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
             A mean = A(0);
             if constexpr (OP == OP_LN) {
+                // the mean shifted by the row's first element: a constant row's is exact, so
+                // x - mean is 0 there and y the bias, as torch's mean gives
+                const A x0 = active ? to_acc(x[0]) : A(0);
                 A s1 = A(0);
 #pragma unroll
                 for (int j = 0; j < NV; ++j) {
                     A f[V];
                     unpack<T, V>(a[j], f);
+                    const int e0 = (sbase + j * TPR) * V - head;
+                    if (e0 >= 0 && e0 + V <= cols) {
 #pragma unroll
-                    for (int k = 0; k < V; ++k) s1 += f[k];  // invalid elements hold 0
+                        for (int k = 0; k < V; ++k) s1 += f[k] - x0;
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < V; ++k)
+                            s1 += ((unsigned)(e0 + k) < (unsigned)cols) ? f[k] - x0 : A(0);
+                    }
                 }
-                mean = group_reduce<TPR, C, 0, THREADS>(s1, SumOp()) / (A)cols;
+                mean = x0 + group_reduce<TPR, C, 0, THREADS>(s1, SumOp()) / (A)cols;
             }
             A s2 = A(0);
 #pragma unroll
@@ -717,10 +727,11 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
                 cs = c3;
             }
             A mean = A(0);
-            if constexpr (OP == OP_LN) {
+            if constexpr (OP == OP_LN) {  // shifted by the first element, as row_reg
+                const A x0 = to_acc(src[0]);
                 A s1 = A(0);
-                for (i64 c = threadIdx.x; c < cols; c += GT) s1 += to_acc(src[c * cs]);
-                mean = group_reduce<GT, 1, 0>(s1, SumOp()) / (A)cols;
+                for (i64 c = threadIdx.x; c < cols; c += GT) s1 += to_acc(src[c * cs]) - x0;
+                mean = x0 + group_reduce<GT, 1, 0>(s1, SumOp()) / (A)cols;
             }
             A s2 = A(0);
             for (i64 c = threadIdx.x; c < cols; c += GT) {

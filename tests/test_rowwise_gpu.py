@@ -175,13 +175,25 @@ def test_rms_norm_keeps_negative_zero(rows, cols, dt):
     check(y, ref, dt, 2, "rms_norm")
 
 
-def test_layer_norm_constant_rows():
+@pytest.mark.parametrize("cols", [1000, 4097, 65536])
+def test_layer_norm_constant_rows(cols):
+    """A constant row normalises to exactly 0 (y = bias), as torch gives, whatever the
+    constant: the mean is exact even where a sum of the row would round (123.456 x n is not
+    a float), in the register, cluster and generic (strided) kernels; the mean statistic is
+    the constant itself."""
+    consts = np.array([3.25, 123.456, -7.1e-3, 1e4 / 3, 0.1])
     for dt in FLOATS:
-        h = np.full((5, 1000), 3.25).astype(np_dtype(dt))
-        b = np.arange(1000).astype(np_dtype(dt))
-        y = to_host(cupylab.layer_norm(cupy_from_host(h), None, cupy_from_host(b)))
-        np.testing.assert_array_equal(y.astype(np.float64), np.broadcast_to(
-            b.astype(np.float64), (5, 1000)))
+        h = np.repeat(consts[:, None], cols, axis=1).astype(np_dtype(dt))
+        b = np.arange(cols).astype(np_dtype(dt))
+        want = np.broadcast_to(b.astype(np.float64), h.shape)
+        y, mean, _ = cupylab.layer_norm(cupy_from_host(h), None, cupy_from_host(b),
+                                        return_stats=True)
+        np.testing.assert_array_equal(to_host(y).astype(np.float64), want)
+        np.testing.assert_array_equal(to_host(mean), h[:, 0].astype(to_host(mean).dtype))
+        wide = np.zeros((h.shape[0], 2 * cols), h.dtype)
+        wide[:, ::2] = h  # a strided last axis: the generic kernel
+        yg = cupylab.layer_norm(cupy_from_host(wide)[:, ::2], None, cupy_from_host(b))
+        np.testing.assert_array_equal(to_host(yg).astype(np.float64), want)
 
 
 def test_leading_shapes_and_torch_stream():

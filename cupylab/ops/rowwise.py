@@ -265,7 +265,8 @@ _doc(rms_norm, """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis.
     y or (y, rstd)
 """)
 _doc(layer_norm, """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis
-    (biased variance, computed from the row held in registers: constant rows give exactly 0).
+    (biased variance, computed from the row held in registers; the mean is shifted by the
+    row's first element, so a constant row's is exact and the row gives exactly 0).
 
     Parameters
     ----------
