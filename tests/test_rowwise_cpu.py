@@ -194,6 +194,32 @@ def test_overlaps_itself():
     assert overlaps_itself((2, 2), (1, 1))
 
 
+def test_numeric_arguments_take_numpy_scalars_and_refuse_non_numbers(sim):
+    x = FakeCAI((4, 64))
+    for bad, err, msg in [("a", TypeError, "eps must be a real number"),
+                          (True, TypeError, "eps must be a real number"),
+                          (np.bool_(True), TypeError, "eps must be a real number"),
+                          (2**1100, ValueError, "eps must be a non-negative number"),
+                          (float("nan"), ValueError, "eps must be a non-negative number"),
+                          (-1e-6, ValueError, "eps must be a non-negative number")]:
+        with pytest.raises(err, match=f"rms_norm: {msg}"):
+            cupylab.rms_norm(x, None, bad)
+    t = FakeCAI((4,), typestr="<i8")
+    with pytest.raises(TypeError, match="label_smoothing must be a real number"):
+        cupylab.cross_entropy(x, t, label_smoothing="0.1")
+    with pytest.raises(ValueError, match="label_smoothing must be a number in"):
+        cupylab.cross_entropy(x, t, label_smoothing=np.float32(1.5))
+    with pytest.raises(ValueError, match="ignore_index must fit in 64 bits"):
+        cupylab.cross_entropy(x, t, ignore_index=2**63)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        cupylab.cross_entropy(x, t, ignore_index=np.bool_(False))
+    assert sim["launches"] == []
+    from cupylab.ops import _rowcore
+
+    assert _rowcore.real_value("f", "eps", np.float32(1e-6), "") == pytest.approx(1e-6)
+    assert _rowcore.real_value("f", "eps", np.int64(3), "") == 3.0
+
+
 def test_check_stats_layout():
     a = F32
     rc.check_stats("op", "mean", _V(0x0, (0,), (0,), a), 0, a)  # empty: any strides

@@ -13,6 +13,8 @@ per row that reads the row two or three times.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import struct
 
@@ -344,10 +346,26 @@ def check_vector(opname, name, v, x, cols, allow_f32=True):
                     f"{' or float32' if x.dtype.itemsize == 2 else ''} (got {v.dtype.name})")
 
 
+def real_value(opname, name, value, what):
+    """``value`` as a float: a real number (Python or NumPy, not a bool) that a C double
+    holds finitely; TypeError for a non-number, ValueError (``what``: the rule) for an
+    infinite, NaN or too large one."""
+    if not isinstance(value, numbers.Real) or type(value).__name__ in ("bool", "bool_"):
+        raise TypeError(f"{opname}: {name} must be a real number (got {value!r})")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v):
+        raise ValueError(f"{opname}: {name} must be {what} (got {value!r})")
+    return v
+
+
 def check_eps(opname, eps):
-    """The norms' ``eps``: a non-negative number."""
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"{opname}: eps must be a non-negative number (got {eps!r})")
+    """The norms' ``eps``: a non-negative finite real number (NumPy scalars too)."""
+    what = "a non-negative number"
+    if not real_value(opname, "eps", eps, what) >= 0:
+        raise ValueError(f"{opname}: eps must be {what} (got {eps!r})")
 
 
 def check_vectors(opname, vectors, x):

@@ -2,6 +2,8 @@
 pass (kernels in ``cuda_src/rowwise.cu``: the row kernels with ``OP_CE`` and ``ce_aux``)."""
 from __future__ import annotations
 
+import numbers
+
 from .. import _dask
 from . import _rowcore as rc
 
@@ -65,12 +67,14 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
     op = "cross_entropy"
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS} (got {reduction!r})")
-    if (not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool)
-            or not 0.0 <= label_smoothing <= 1.0):
-        raise ValueError(f"{op}: label_smoothing must be a number in [0, 1] (got "
-                         f"{label_smoothing!r})")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+    what = "a number in [0, 1]"
+    if not 0.0 <= rc.real_value(op, "label_smoothing", label_smoothing, what) <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be {what} (got {label_smoothing!r})")
+    if not isinstance(ignore_index, numbers.Integral) or type(ignore_index).__name__ in (
+            "bool", "bool_"):
         raise TypeError(f"{op}: ignore_index must be an int (got {ignore_index!r})")
+    if not -2**63 <= int(ignore_index) < 2**63:
+        raise ValueError(f"{op}: ignore_index must fit in 64 bits (got {ignore_index!r})")
     return_grad = return_grad or grad_out is not None
     if _dask.is_dask(logits) or _dask.is_dask(target):
         refuse = [(k, v) for k, v in (("return_grad", return_grad), ("return_lse", return_lse))
