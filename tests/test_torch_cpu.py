@@ -83,7 +83,9 @@ def _ce(logits, target, ii, red, ls, compute_grad, fp32_loss=False):
     if compute_grad:
         onehot = TF.one_hot(t, n).to(x.dtype)
         g = torch.softmax(x, -1) - (1 - ls) * onehot - ls / n
-        g = g * keep.unsqueeze(-1).to(x.dtype) / (count if red == "mean" else 1)
+        # float16 with "mean": the gradient of the sum (the backward divides, in float32)
+        g = g * keep.unsqueeze(-1).to(x.dtype) / (
+            count if red == "mean" and logits.dtype != torch.float16 else 1)
     loss = loss.to(torch.float32 if fp32_loss else logits.dtype)
     return loss, (logits.new_empty((0,)) if g is None else g.to(logits.dtype).contiguous())
 
@@ -117,6 +119,7 @@ REFS = {
     "cross_entropy": _ce,
     "cross_entropy_loss": lambda x, t, ii, red, ls, f32=False: _ce(x, t, ii, red, ls, False,
                                                                     f32)[0],
+    "scale_grad": lambda g, s: (g.to(s.dtype) * s).to(g.dtype),
     "add": lambda a, b: torch.add(_dd(a), _dd(b)).contiguous(),
     "subtract": lambda a, b: torch.sub(_dd(a), _dd(b)).contiguous(),
     "multiply": lambda a, b: torch.mul(_dd(a), _dd(b)).contiguous(),
@@ -661,6 +664,61 @@ def test_cross_entropy_double_backward_raises(cpu_kernels, path):
         torch.nn.functional.cross_entropy(x, t), x)[0])
     with pytest.raises(RuntimeError, match="no double backward"):
         gx.pow(2).sum().backward()
+
+
+def _ce_call(path, x, t, red="mean"):
+    if path == "functional":
+        return _autograd.FUNCTIONS["cross_entropy"].apply(x, t, -100, red, 0.0, True, True)
+    return torch.ops.cupylab.cross_entropy(x, t, -100, red, 0.0, True, True)[0]
+
+
+@pytest.mark.parametrize("path", ["functional", "registered"])
+def test_cross_entropy_float16_gradient_survives_loss_scaling(cpu_kernels, path):
+    """float16 logits, mean over many rows, GradScaler's scales: each gradient of order
+    1/(rows x classes) must neither vanish below float16's range before the scale is applied
+    nor overflow with the scale (65536 > float16's max), as torch's float32 cross-entropy
+    under autocast gives."""
+    g = torch.Generator().manual_seed(4)
+    rows, classes = 2048, 512
+    base = torch.randn(rows, classes, generator=g)
+    t = torch.randint(0, classes, (rows,), generator=g)
+    t[:7] = -100
+    for scale in (1024.0, 65536.0):
+        ref = base.half().requires_grad_()
+        (TF.cross_entropy(ref.float(), t) * scale).backward()
+        x = base.half().requires_grad_()
+        loss = _ce_call(path, x, t)
+        assert loss.dtype == torch.float32
+        (loss * scale).backward()
+        assert torch.isfinite(x.grad).all()
+        torch.testing.assert_close(x.grad.float(), ref.grad.float(), rtol=4e-3, atol=2e-6)
+        nz = ref.grad != 0
+        assert (x.grad[nz] != 0).float().mean() > 0.999  # nothing flushed to zero
+
+
+@pytest.mark.parametrize("path", ["functional", "registered"])
+def test_cross_entropy_loss_gradient_is_not_rounded_to_bfloat16(cpu_kernels, path):
+    """The loss's gradient multiplies in float32: a bf16 1/3 would bias every gradient by
+    0.2 %."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(64, 10, generator=g)
+    t = torch.randint(0, 10, (64,), generator=g)
+    x = base.bfloat16().requires_grad_()
+    (_ce_call(path, x, t) / 3).backward()
+    ref = torch.func.grad(lambda z: TF.cross_entropy(z, t) / 3)(base.bfloat16().double())
+    ratio = (x.grad.double() * ref).sum() / (ref * ref).sum()
+    assert abs(ratio.item() - 1) < 5e-4
+
+
+@pytest.mark.parametrize("path", ["functional", "registered"])
+def test_cross_entropy_float16_all_ignored(cpu_kernels, path):
+    """Every row ignored: the mean loss is NaN and the gradient 0, as torch gives."""
+    x = torch.randn(4, 6).half().requires_grad_()
+    t = torch.full((4,), -100)
+    loss = _ce_call(path, x, t)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert torch.equal(x.grad, torch.zeros_like(x.grad))
 
 
 def test_fused_add_mul_complex_scalar_gradient_is_conjugated(cpu_kernels):

@@ -185,6 +185,29 @@ def test_cross_entropy_vs_torch(dtype, reduction, smooth):
     assert CF.cross_entropy(x, t, reduction=reduction).dtype == dtype  # torch's loss dtype
 
 
+@pytest.mark.parametrize("scale", [1024.0, 65536.0])
+def test_cross_entropy_float16_autocast_gradient_with_a_loss_scale(scale):
+    """float16 logits under autocast, mean over 4096 rows of 8192 classes, GradScaler's
+    scales: the gradients stay finite and match torch's float32 cross-entropy (none flushed
+    to zero before the scale, no overflow of the scale in float16)."""
+    g = torch.Generator(device=DEV).manual_seed(6)
+    base = torch.randn(4096, 8192, generator=g, device=DEV)
+    t = torch.randint(0, 8192, (4096,), generator=g, device=DEV)
+    t[::97] = -100
+    ref = base.half().requires_grad_()
+    x = base.half().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss_ref = TF.cross_entropy(ref, t)
+        loss = CF.cross_entropy(x, t)
+    assert loss.dtype == loss_ref.dtype == torch.float32
+    (loss_ref * scale).backward()
+    (loss * scale).backward()
+    assert torch.isfinite(x.grad).all()
+    torch.testing.assert_close(x.grad.float(), ref.grad.float(), rtol=4e-3, atol=2e-6)
+    nz = ref.grad != 0
+    assert (x.grad[nz] != 0).float().mean() > 0.999
+
+
 def test_cross_entropy_class_dim_1_and_int32_targets():
     x = _r(4, 9, 6, grad=True)
     t = torch.randint(0, 9, (4, 6), device=DEV)

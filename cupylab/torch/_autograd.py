@@ -140,7 +140,12 @@ def _cross_entropy_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
     ctx.reduction = inputs[3]
     ctx.has_grad = bool(inputs[5])
-    ctx.save_for_backward(output[1])
+    ctx.unscaled = _kernels.unscaled_mean(output[1].dtype, inputs[3])
+    if ctx.unscaled:  # the backward divides by the count of kept rows
+        ctx.ignore_index = inputs[2]
+        ctx.save_for_backward(output[1], inputs[1])
+    else:
+        ctx.save_for_backward(output[1])
 
 
 def _cross_entropy_backward(k, ctx, dloss, _ddlogits):
@@ -150,13 +155,21 @@ def _cross_entropy_backward(k, ctx, dloss, _ddlogits):
         raise RuntimeError("cupylab::cross_entropy: the forward ran with compute_grad=False, "
                            "so no input gradient was written; call it with compute_grad=True "
                            "to differentiate it")
-    (dlogits,) = ctx.saved_tensors
-    dloss = dloss.to(dlogits.dtype)  # a float32 loss (autocast) keeps the logits' dtype
+    dlogits = ctx.saved_tensors[0]
+    # the loss's gradient in float32 (float64), never rounded to the logits' 16-bit dtype
+    # first: GradScaler's 65536 overflows float16, and a bf16 1/3 is 0.2 % off
+    s = dloss.to(torch.float64 if dlogits.dtype == torch.float64 else torch.float32)
+    if ctx.unscaled:
+        s = s * _kernels.mean_scale(ctx.saved_tensors[1], ctx.ignore_index)
     if ctx.reduction == "none":
-        dloss = dloss.unsqueeze(-1)
-    # cupylab's multiply, not torch's: a tensor times a 0-d tensor runs at the bandwidth
-    # ceiling there (252 us for 8192 x 32000 bf16 on an H200; torch's broadcast kernel 570 us)
-    dx = k.multiply(dlogits, dloss)
+        s = s.unsqueeze(-1)
+    if k is _kernels:
+        # cupylab's multiply, not torch's: a tensor times a 0-d tensor runs at the bandwidth
+        # ceiling there (252 us for 8192 x 32000 bf16 on an H200; torch's broadcast kernel
+        # 570 us), computing in s's dtype and writing the logits' dtype in one pass
+        dx = k.scale_grad(dlogits, s)
+    else:  # traced (torch.compile): one fused elementwise kernel
+        dx = (dlogits.to(s.dtype) * s).to(dlogits.dtype)
     if _grad_enabled():  # create_graph=True: a second differentiation must raise, not drop
         dx = _NoDoubleBackward.apply(dx.detach().requires_grad_())
     return (dx, None, None, None, None, None, None)

@@ -28,7 +28,9 @@ where noted):
 ``cross_entropy``              ``(logits, target, ignore_index, reduction, label_smoothing,
                                compute_grad) -> (loss, dlogits)``; class axis last; ``loss`` in the
                                logits' dtype; ``dlogits`` (the gradient of ``loss``, written by the
-                               forward) is (0,)-shaped when ``compute_grad`` is false
+                               forward; for float16 logits with ``"mean"`` the gradient of the
+                               sum, which the backward divides in float32) is (0,)-shaped when
+                               ``compute_grad`` is false
 ``add``, ``subtract``,         ``(a, b) -> out``: broadcasting, torch's type promotion
 ``multiply``, ``divide``
 ``fused_add_mul``              ``(a, b, s) -> (a + b) * s``; ``fused_add_mul_scalar`` takes a number
