@@ -636,16 +636,52 @@ def test_eager_functions_return_the_differentiable_outputs_only(cpu_kernels, mon
         torch.testing.assert_close(a, b)
 
 
-def test_eager_backward_is_once_differentiable(cpu_kernels):
-    """With create_graph=True the eager backward still runs (once_differentiable), and a
-    second differentiation through it raises."""
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax", "log_softmax"])
+@pytest.mark.parametrize("dy_grad", [True, False])
+def test_eager_row_wise_backward_raises_when_differentiated_again(cpu_kernels, op, dy_grad):
+    """With create_graph=True the row-wise backward still runs, and a second differentiation
+    through it raises, also when the incoming gradient is a constant (y.sum(): the gradient
+    still depends on x and w through the saved tensors, so a silent None would drop the
+    second derivative, as once_differentiable did)."""
     x = _g(4, 6, dtype=torch.float64)
     w = _g(6, dtype=torch.float64, seed=1)
-    (gx,) = torch.autograd.grad(F.rms_norm(x, 6, w).pow(2).sum(), x, create_graph=True)
-    (ref,) = torch.autograd.grad(F.rms_norm(x, 6, w).pow(2).sum(), x)
+    fwd = {"rms_norm": lambda: F.rms_norm(x, 6, w), "layer_norm": lambda: F.layer_norm(x, 6, w),
+           "softmax": lambda: F.softmax(x, -1), "log_softmax": lambda: F.log_softmax(x, -1)}[op]
+    loss = (lambda y: y.pow(2).sum()) if dy_grad else (lambda y: (y * 3.0).sum())
+    (gx,) = torch.autograd.grad(loss(fwd()), x, create_graph=True)
+    (ref,) = torch.autograd.grad(loss(fwd()), x)
     torch.testing.assert_close(gx.detach(), ref)
-    with pytest.raises(RuntimeError, match="once_differentiable|twice|double"):
-        gx.sum().backward()
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match=f"cupylab {op}: its gradient cannot be "
+                                           "differentiated again"):
+        gx.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("op", ["add", "subtract", "multiply", "divide", "fused_add_mul",
+                                "fused_add_mul_scalar"])
+def test_eager_elementwise_double_backward_matches_torch(cpu_kernels, op):
+    """The elementwise backward formulas are torch operations: with create_graph=True they
+    are recorded, and a gradient penalty differentiates through them as torch's ops do."""
+    a = _g(4, 5, dtype=torch.float64, lo=0.5)
+    b = _g(5, dtype=torch.float64, seed=1, lo=0.5)
+    s = _g(4, 5, dtype=torch.float64, seed=2, lo=0.5)
+    mine = {"add": F.add, "subtract": F.subtract, "multiply": F.multiply, "divide": F.divide,
+            "fused_add_mul": lambda a, b: F.fused_add_mul(a, b, s),
+            "fused_add_mul_scalar": lambda a, b: F.fused_add_mul(a, b, 0.7)}[op]
+    ref = {"add": torch.add, "subtract": torch.sub, "multiply": torch.mul, "divide": torch.div,
+           "fused_add_mul": lambda a, b: (a + b) * s,
+           "fused_add_mul_scalar": lambda a, b: (a + b) * 0.7}[op]
+
+    def penalty(f):
+        y = f(a, b)
+        ga, gb = torch.autograd.grad((y * y).sum(), (a, b), create_graph=True)
+        return torch.autograd.grad(ga.pow(2).sum() + gb.pow(3).sum(), (a, b, s),
+                                   allow_unused=True)
+
+    for got, want in zip(penalty(mine), penalty(ref)):
+        assert (got is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("path", ["functional", "registered"])

@@ -16,12 +16,12 @@ the real implementation of the registered operator too. Gradients of unused outp
 None (``set_materialize_grads(False)``: no zero tensors are made for them). Elementwise
 gradients are torch operations, reduced to each input's shape with ``sum_to_size`` and cast to
 its dtype. Statistics outputs (``rstd``, ``mean``) and cross-entropy's ``dlogits`` are
-non-differentiable. The eager backward is once-differentiable (no double backward).
+non-differentiable. Double backward (``create_graph=True``): the elementwise operators' eager
+backward is differentiable; the row-wise operators' gradients raise when differentiated again.
 """
 import functools
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _kernels
 
@@ -120,19 +120,27 @@ def _add_rms_norm_backward(k, ctx, dy, dh, _drstd):
 
 # -- cross-entropy: the gradient was written by the forward -----------------------------------
 class _NoDoubleBackward(torch.autograd.Function):
-    """The gradient passed through; differentiating it again raises. Cross-entropy's backward
-    scales the gradient its forward wrote, which has no graph of its own: without this a second
-    differentiation (``create_graph=True``) would silently leave out the loss's Hessian."""
+    """The gradient passed through; differentiating it again raises. The backwards of the
+    row-wise operators are cupylab kernels, which have no graph of their own (cross-entropy's
+    scales the gradient its forward wrote): without this a second differentiation
+    (``create_graph=True``) would silently leave out their second derivatives."""
 
     @staticmethod
-    def forward(ctx, g):
+    def forward(ctx, g, name):
+        ctx.name = name
         return g.view_as(g)
 
     @staticmethod
     def backward(ctx, _):
-        raise RuntimeError("cupylab cross_entropy: its gradient cannot be differentiated again "
-                           "(no double backward); use torch.nn.functional.cross_entropy where "
-                           "second-order gradients are needed")
+        raise RuntimeError(f"cupylab {ctx.name}: its gradient cannot be differentiated again "
+                           f"(no double backward); use torch's {ctx.name} where second-order "
+                           "gradients are needed")
+
+
+def no_double_backward(name, grads):
+    """``grads`` (tensors or None) made to raise when differentiated again."""
+    return tuple(g if g is None else _NoDoubleBackward.apply(g.detach().requires_grad_(), name)
+                 for g in grads)
 
 
 def _cross_entropy_setup(ctx, inputs, output):
@@ -171,7 +179,7 @@ def _cross_entropy_backward(k, ctx, dloss, _ddlogits):
     else:  # traced (torch.compile): one fused elementwise kernel
         dx = (dlogits.to(s.dtype) * s).to(dlogits.dtype)
     if _grad_enabled():  # create_graph=True: a second differentiation must raise, not drop
-        dx = _NoDoubleBackward.apply(dx.detach().requires_grad_())
+        (dx,) = no_double_backward("cross_entropy", (dx,))
     return (dx, None, None, None, None, None, None)
 
 
@@ -311,19 +319,26 @@ _EAGER_OUTPUTS = {"rms_norm": (1, 2), "layer_norm": (1, 3), "add_rms_norm": (2, 
                   "cross_entropy": (1, 2)}
 
 
+#: operators whose backward formulas are torch operations on saved inputs: with
+#: ``create_graph=True`` they run with grad mode on and give the true second derivatives
+DIFFERENTIABLE_BACKWARD = ("add", "subtract", "multiply", "divide", "fused_add_mul",
+                           "fused_add_mul_scalar")
+
+
 def _function(name, setup, backward):
     """The eager ``torch.autograd.Function`` of operator ``name``: forward
     ``_kernels.<name>`` (looked up per call) and ``setup``; it returns the differentiable
     outputs (:data:`_EAGER_OUTPUTS`). Backward: ``backward`` with the kernels of
-    :mod:`cupylab.torch._kernels`, called directly, or through ``once_differentiable`` when
-    grad mode is on in the backward (``create_graph=True``), which makes a second
-    differentiation raise."""
+    :mod:`cupylab.torch._kernels`. When grad mode is on in the backward
+    (``create_graph=True``), the elementwise formulas (:data:`DIFFERENTIABLE_BACKWARD`) are
+    recorded by autograd as they run (double backward works), and the row-wise operators'
+    gradients, made by kernels, raise when differentiated again (whether or not the incoming
+    gradient requires grad: once_differentiable marks only results whose inputs do, which
+    silently dropped the second derivative through saved inputs)."""
     n, total = _EAGER_OUTPUTS.get(name, (None, None))
     kern = functools.partial(backward, _kernels)
-    once = once_differentiable(kern)
-    # cross-entropy guards its own result (once_differentiable would not: its incoming
-    # gradient, the loss's, does not require grad, so nothing would be marked)
-    self_guarded = name == "cross_entropy"
+    # cross-entropy guards its own result; the elementwise formulas need no guard
+    unguarded = name == "cross_entropy" or name in DIFFERENTIABLE_BACKWARD
     pad = () if n is None else (None,) * (total - n)
 
     def forward(ctx, *args):
@@ -336,8 +351,10 @@ def _function(name, setup, backward):
     def bwd(ctx, *grads):
         if pad:
             grads += pad
-        if _grad_enabled() and not self_guarded:  # create_graph=True: once-differentiable
-            return once(ctx, *grads)
+        if _grad_enabled() and not unguarded:  # create_graph=True
+            with torch.no_grad():
+                r = kern(ctx, *grads)
+            return no_double_backward(name, r if isinstance(r, tuple) else (r,))
         return kern(ctx, *grads)
 
     return type(f"{name}_function", (torch.autograd.Function,),
