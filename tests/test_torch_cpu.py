@@ -684,6 +684,16 @@ def test_eager_elementwise_double_backward_matches_torch(cpu_kernels, op):
             torch.testing.assert_close(got, want)
 
 
+def test_frozen_parameters_reach_the_kernels_as_plain_tensors():
+    """A frozen Parameter (requires_grad=False) is detached to a plain tensor like a trained
+    one: the lean launch paths take plain tensors only (a Parameter made every call take the
+    fully validating path)."""
+    w = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    assert type(_kernels._vec(w)) is torch.Tensor and type(_kernels._d(w)) is torch.Tensor
+    t = torch.ones(3)
+    assert _kernels._vec(t) is t and _kernels._d(t) is t  # plain tensors as they are
+
+
 @pytest.mark.parametrize("path", ["functional", "registered"])
 def test_cross_entropy_double_backward_raises(cpu_kernels, path):
     """cross_entropy's backward reuses the gradient its forward wrote: with create_graph=True

@@ -210,6 +210,25 @@ def test_autocast_output_dtypes(cl):
     torch.testing.assert_close(loss, ref, rtol=1e-2, atol=1e-2)
 
 
+def test_tensor_subclasses_run_torchs_forward(cl, monkeypatch):
+    """A tensor subclass (DTensor, a user's) is not a plain CUDA tensor: the module runs
+    torch's forward, which the subclass's own dispatch understands."""
+    from cupylab.torch import functional
+
+    class Sub(torch.Tensor):
+        pass
+
+    def refuse(*a, **k):
+        raise AssertionError("cupylab's kernel was called for a tensor subclass")
+
+    monkeypatch.setattr(functional, "rms_norm", refuse)
+    monkeypatch.setattr(functional, "softmax", refuse)
+    x = torch.randn(4, 64, device="cuda").as_subclass(Sub)
+    m = cl.RMSNorm(64, device="cuda")
+    torch.testing.assert_close(m(x), torch.nn.functional.rms_norm(x, (64,), m.weight))
+    torch.testing.assert_close(cl.Softmax(-1)(x), torch.softmax(x, -1))
+
+
 def test_no_grad_path_matches(cl):
     g = _gen(8)
     x = torch.randn(33, 512, generator=g, device="cuda").bfloat16()

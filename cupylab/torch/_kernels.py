@@ -25,9 +25,14 @@ __all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward",
            "multiply", "divide", "fused_add_mul", "fused_add_mul_scalar"]
 
 
+_TENSOR = torch.Tensor
+
+
 def _d(t):
-    """``t`` without autograd history (a view sharing memory), or ``t`` / None as given."""
-    return t.detach() if t is not None and t.requires_grad else t
+    """``t`` without autograd history (a view sharing memory) and as a plain tensor (a frozen
+    ``Parameter`` detached: the lean launch paths take plain tensors only), or ``t`` / None
+    as given."""
+    return t.detach() if t is not None and (t.requires_grad or type(t) is not _TENSOR) else t
 
 
 def _rows(t):
@@ -40,10 +45,11 @@ def _rows(t):
 
 def _vec(t):
     """A weight or bias: detached and contiguous (cupylab reads it as one contiguous vector);
-    None stays None."""
+    None stays None. A frozen ``Parameter`` (no grad) is detached too: the lean launch path
+    takes plain tensors only."""
     if t is None:
         return None
-    if t.requires_grad:
+    if t.requires_grad or type(t) is not _TENSOR:
         t = t.detach()
     return t if t.is_contiguous() else t.contiguous()
 

@@ -23,10 +23,14 @@ for what cupylab does not compute:
 * ``CrossEntropyLoss`` with class weights (``weight=``) or targets other than int64 class
   indices (class probabilities).
 
-Under autocast, torch's modules run ``layer_norm``, ``softmax``, ``log_softmax`` and
-``cross_entropy`` in float32 (16-bit inputs are copied to float32 first, and the outputs are
-float32); autocast does not cast cupylab's operators: 16-bit inputs are read as they are,
-accumulated in float32, and the outputs keep the input's dtype.
+Under autocast, torch's modules run ``layer_norm``, ``softmax``, ``log_softmax``,
+``cross_entropy`` and (in recent versions) ``rms_norm`` in float32 (16-bit inputs are copied
+to float32 first, and the outputs are float32); autocast does not cast cupylab's operators:
+16-bit inputs are read as they are, accumulated in float32, and the outputs keep the input's
+dtype (the cross-entropy loss excepted: float32, as torch's).
+
+Tensor subclasses (DTensor, nested tensors, FakeTensor outside torch.compile) and
+non-strided layouts run torch's own forward.
 """
 from __future__ import annotations
 
@@ -38,11 +42,16 @@ __all__ = ["RMSNorm", "LayerNorm", "Softmax", "LogSoftmax", "CrossEntropyLoss",
            "swap_modules"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_STRIDED, _TENSOR = torch.strided, torch.Tensor
+_compiling = torch.compiler.is_compiling
 
 
 def _gpu_float(x):
-    """True when ``x`` is a CUDA tensor of a dtype cupylab's row-wise kernels compute."""
-    return x.is_cuda and x.dtype in _FLOATS
+    """True when ``x`` is a plain dense CUDA tensor of a dtype cupylab's row-wise kernels
+    compute. Tensor subclasses (DTensor, FakeTensor outside torch.compile's tracing, nested
+    tensors) and other layouts run torch's own forward."""
+    return (x.is_cuda and x.dtype in _FLOATS and x.layout is _STRIDED
+            and (type(x) is _TENSOR or _compiling()))
 
 
 _HALVES = (torch.float16, torch.bfloat16)
