@@ -334,6 +334,22 @@ def test_dispatch_every_function(cpu_kernels, monkeypatch, compiling):
             assert cpu_kernels[-1][0] == direct, name
 
 
+def test_add_rms_norm_inplace_inference_tensors(cpu_kernels):
+    """An inference tensor is updated in place inside inference mode only, as torch's
+    in-place operations: outside it the call raises before anything is written."""
+    x, w = _g(3, 6, grad=False), _g(6, seed=2, grad=False)
+    with torch.inference_mode():
+        r = _g(3, 6, seed=1, grad=False).clone()
+        r0 = r.clone()
+        F.add_rms_norm_(x, r, w)
+        torch.testing.assert_close(r, x + r0)
+    before = r.clone()
+    n = len(cpu_kernels)
+    with pytest.raises(RuntimeError, match="add_rms_norm_: residual is an inference tensor"):
+        F.add_rms_norm_(x, r, w)
+    assert len(cpu_kernels) == n and torch.equal(r, before)
+
+
 def test_add_rms_norm_inplace_paths(cpu_kernels, monkeypatch):
     x, r0, w = _g(3, 6, grad=False), _g(3, 6, seed=1, grad=False), _g(6, seed=2, grad=False)
     r = r0.clone()

@@ -373,7 +373,11 @@ def add_rms_norm_(x, residual, weight, eps=1e-6):
     Raises
     ------
     TypeError, ValueError
-        As :func:`add_rms_norm`.
+        As :func:`add_rms_norm`; also a residual that cannot be written (a broadcast view, one
+        overlapping ``x`` or the weight).
+    RuntimeError
+        An inference tensor as ``residual`` outside ``torch.inference_mode()`` (as torch's
+        in-place operations).
     """
     eps = _add_rms_args("add_rms_norm_", x, residual, weight, eps)
     if _wants_grad(x, residual, weight):
@@ -382,9 +386,13 @@ def add_rms_norm_(x, residual, weight, eps=1e-6):
         return y
     if _compiling():
         return torch.ops.cupylab.add_rms_norm_(x, residual, weight, eps)
+    if residual.is_inference():
+        if not torch.is_inference_mode_enabled():  # torch's rule for in-place updates
+            raise RuntimeError("add_rms_norm_: residual is an inference tensor; it can be "
+                               "updated in place only inside torch.inference_mode()")
+        return _kernels.add_rms_norm_(x, residual, weight, eps)
     y = _kernels.add_rms_norm_(x, residual, weight, eps)
-    if not residual.is_inference():
-        torch.autograd.graph.increment_version(residual)
+    torch.autograd.graph.increment_version(residual)
     return y
 
 
