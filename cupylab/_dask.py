@@ -345,7 +345,7 @@ def _np_float32():
     return np.dtype(np.float32)
 
 
-def norm_backward(name, fn, dy, x, weight, stats, stream):
+def norm_backward(name, fn, dy, x, weight, stats, stream, weight_grad=True):
     """The lazy gradients of a norm's backward ``fn`` (:func:`cupylab.rms_norm_backward` or
     :func:`cupylab.layer_norm_backward`) on Dask arrays: ``dx`` chunk by chunk (whole rows,
     the statistics' chunks aligned with the rows'), and the weight (and bias) gradients as
@@ -399,7 +399,7 @@ def norm_backward(name, fn, dy, x, weight, stats, stream):
     dx = da.blockwise(functools.partial(_nb_call, fn, weight, None), full, *args,
                       name=_key(name, [weight]), dtype=xd.dtype, concatenate=True,
                       meta=meta_from_array(xd._meta, ndim=nd, dtype=xd.dtype))
-    if weight is None:
+    if weight is None or not weight_grad:
         return (dx, None, None) if len(stats) == 2 else (dx, None)
     k = len(stats)  # weight gradients: dweight, and dbias for layer_norm
     acc = xd.dtype if xd.dtype.itemsize == 8 else _np_float32()  # rc.acc_dtype's rule
@@ -429,8 +429,8 @@ def _nb_call(fn, weight, acc, dy, x, *stats):
     rows."""
     import numpy as np  # noqa: PLC0415 - dispatches to the chunk's array type (NEP 18)
 
+    if acc is None:  # dx alone: no weight gradients computed
+        return fn(dy, x, weight, *stats, weight_grad=False)[0]
     r = fn(dy, x, weight, *stats)
-    if acc is None:
-        return r[0]
     g = np.stack([w.astype(acc) for w in r[1:]])
     return g.reshape((1,) * (x.ndim - 1) + g.shape)

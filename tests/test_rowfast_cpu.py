@@ -124,6 +124,17 @@ def test_norm_backward_launches_the_column_sums(fake):
     assert dw is None and len(fake) == 4
 
 
+def test_norm_backward_without_weight_gradients(fake):
+    """weight_grad=False: the row kernel scales by the weight but writes no partial sums, and
+    no column sum is launched."""
+    x, dy = Arr((300, 512)), Arr((300, 512))
+    w, rstd, mean = Arr((512,)), Arr((300,)), Arr((300,))
+    dx, dw, db = rf.norm_backward("layer_norm_backward", dy, x, w, mean, rstd, False)
+    assert dw is None and db is None and dx.shape == x.shape
+    (row,) = fake
+    assert row[4][4] == w.ptr and row[4][8] == row[4][9] == 0
+
+
 @pytest.mark.parametrize("case", [
     "strided", "grad_dtype", "int", "empty_rows", "zero_cols", "0d", "other_device",
     "not_current", "eps_negative", "eps_bool", "weight_shape", "weight_dtype", "residual_shape",

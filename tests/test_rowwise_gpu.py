@@ -267,6 +267,18 @@ def test_backward_deterministic_and_no_weight():
         np.testing.assert_array_equal(to_host(u), to_host(v))
     dx, dw, db = cupylab.layer_norm_backward(dy, x, None, mean, rstd)
     assert dw is None and db is None and dx.shape == (3000, 768)
+    # weight_grad=False: the same dx (the weight still scales it), no weight gradients
+    dx2, dw2, db2 = cupylab.layer_norm_backward(dy, x, w, mean, rstd, weight_grad=False)
+    assert dw2 is None and db2 is None
+    np.testing.assert_array_equal(to_host(dx2), to_host(a[0]))
+    _, rs = cupylab.rms_norm(x, w, return_stats=True)
+    import cupy  # noqa: PLC0415
+
+    for stream in (None, cupy.cuda.Stream()):  # the lean path and the general path
+        r1 = cupylab.rms_norm_backward(dy, x, w, rs, stream=stream)
+        r2 = cupylab.rms_norm_backward(dy, x, w, rs, weight_grad=False, stream=stream)
+        assert r2[1] is None
+        np.testing.assert_array_equal(to_host(r2[0]), to_host(r1[0]))
 
 
 def _fd(f, x, dy, eps=1e-6):

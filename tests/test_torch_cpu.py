@@ -53,15 +53,15 @@ def _norm_fwd(x, w, b, eps, ln):
     return y.to(x.dtype).contiguous(), mean, rstd
 
 
-def _norm_bwd(dy, x, w, mean, rstd):
+def _norm_bwd(dy, x, w, mean, rstd, weight_grad=True):
     dy, x = dy.detach().to(_acc(x)), x.detach().to(_acc(x))
     xh = (x - (0 if mean is None else mean[..., None])) * rstd[..., None]
     g = dy * (1 if w is None else w.detach().to(dy.dtype))
     c = (g * xh).mean(-1, keepdim=True)
     dx = rstd[..., None] * (g - (0 if mean is None else g.mean(-1, keepdim=True)) - xh * c)
     lead = tuple(range(x.dim() - 1))
-    dw = None if w is None else (dy * xh).sum(lead).to(w.dtype)
-    db = None if w is None else dy.sum(lead).to(w.dtype)
+    dw = None if w is None or not weight_grad else (dy * xh).sum(lead).to(w.dtype)
+    db = None if w is None or not weight_grad else dy.sum(lead).to(w.dtype)
     return (dx.to(dy.dtype if x.dtype == torch.float64 else x.dtype).contiguous(),
             x.new_empty((0,)) if dw is None else dw, x.new_empty((0,)) if db is None else db)
 
@@ -107,7 +107,8 @@ REFS = {
     "log_softmax_backward": lambda y, dy, d: _softmax_bwd(y, dy, d, True),
     "rms_norm": lambda x, w, eps, stats=True: (
         (lambda r: (r[0], r[2]) if stats else r[0])(_norm_fwd(x, w, None, eps, False))),
-    "rms_norm_backward": lambda dy, x, w, rstd: _norm_bwd(dy, x, w, None, rstd)[:2],
+    "rms_norm_backward": lambda dy, x, w, rstd, wg=True: _norm_bwd(dy, x, w, None, rstd,
+                                                                   wg)[:2],
     "layer_norm": lambda x, w, b, eps, stats=True: (
         (lambda r: r if stats else r[0])(_norm_fwd(x, w, b, eps, True))),
     "layer_norm_backward": _norm_bwd,
@@ -698,6 +699,34 @@ def test_eager_elementwise_double_backward_matches_torch(cpu_kernels, op):
         assert (got is None) == (want is None)
         if want is not None:
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("path", ["functional", "registered"])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm"])
+def test_a_frozen_norm_weight_gets_no_weight_gradient_computed(cpu_kernels, path, op,
+                                                             monkeypatch):
+    """A weight that does not require grad (a frozen norm, LoRA) or gradients taken with
+    respect to x alone: the backward kernel is asked for dx only."""
+    if path == "registered":
+        monkeypatch.setattr(F, "_compiling", lambda: True)
+    x = _g(4, 6, dtype=torch.float64)
+    w = _g(6, dtype=torch.float64, seed=1, grad=False)
+    b = _g(6, dtype=torch.float64, seed=2, grad=False)
+    fwd = {"rms_norm": lambda: F.rms_norm(x, 6, w),
+           "layer_norm": lambda: F.layer_norm(x, 6, w, b),
+           "add_rms_norm": lambda: F.add_rms_norm(x, x * 0.5, w)[0]}[op]
+    fwd().pow(2).sum().backward()
+    bwd = [args for name, args in cpu_kernels if name.endswith("norm_backward")]
+    assert bwd and all(args[-1] is False for args in bwd)
+    assert w.grad is None and x.grad is not None
+    ref = x.detach().clone().requires_grad_()
+    if op == "rms_norm":
+        TF.rms_norm(ref, (6,), w).pow(2).sum().backward()
+    elif op == "layer_norm":
+        TF.layer_norm(ref, (6,), w, b).pow(2).sum().backward()
+    else:
+        TF.rms_norm(ref + ref * 0.5, (6,), w, 1e-6).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)
 
 
 def test_frozen_parameters_reach_the_kernels_as_plain_tensors():

@@ -324,7 +324,7 @@ def _stats(fw, s, a, rows, dev):
     return ps[2] if math.prod(ps[1]) == rows else None
 
 
-def norm_backward(opname, dy, x, weight, mean, rstd):
+def norm_backward(opname, dy, x, weight, mean, rstd, weight_grad=True):
     """``rms_norm_backward`` / ``layer_norm_backward`` with ``stream=None``."""
     try:
         lead = _lead_pair(x, dy)
@@ -361,7 +361,7 @@ def norm_backward(opname, dy, x, weight, mean, rstd):
             return MISS
         dw = db = parts0 = parts1 = None  # the partial sums live until both launches are queued
         pp0 = pp1 = pdw = pdb = 0
-        if wdt is not None:
+        if wdt is not None and weight_grad:
             dw, pdw = new(x, (cols,), wdt)
             if plan.nparts:
                 parts0, pp0 = new(x, (plan.nparts, cols), a)

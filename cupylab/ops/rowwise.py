@@ -382,15 +382,15 @@ _doc(log_softmax_backward, """Gradient of :func:`log_softmax` over the last axis
 """)
 
 
-def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
+def _norm_bwd(opname, dy, x, weight, mean, rstd, weight_grad, stream):
     if stream is None:
-        r = _rowfast.norm_backward(opname, dy, x, weight, mean, rstd)
+        r = _rowfast.norm_backward(opname, dy, x, weight, mean, rstd, weight_grad)
         if r is not _MISS:
             return r
     if any(_dask.is_dask(a) for a in (dy, x, mean, rstd)):
         stats = [("mean", mean)] if opname == "layer_norm_backward" else []
         return _dask.norm_backward(opname, globals()[opname], dy, x, weight,
-                                   stats + [("rstd", rstd)], stream)
+                                   stats + [("rstd", rstd)], stream, weight_grad)
     c = rc.gather(opname, {"dy": dy, "x": x, "weight": weight, "mean": mean, "rstd": rstd},
                   stream)
     v = c.views
@@ -408,7 +408,7 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
             raise TypeError(f"{opname}: {name} is required (the statistics the forward returned)")
         rc.check_stats(opname, name, v[name], lay.rows, a)
     rc.check_columns(opname, xv.shape)
-    wdt = v["weight"].dtype if "weight" in v else None
+    wdt = v["weight"].dtype if "weight" in v and weight_grad else None
     dw = dwv = db = dbv = None
     if wdt is not None:
         dw, dwv = rc.new_array(c, (cols,), wdt)
@@ -449,12 +449,12 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, stream):
     return tuple(res)
 
 
-def rms_norm_backward(dy, x, weight, rstd, *, stream=None):
-    return _norm_bwd("rms_norm_backward", dy, x, weight, None, rstd, stream)
+def rms_norm_backward(dy, x, weight, rstd, *, weight_grad=True, stream=None):
+    return _norm_bwd("rms_norm_backward", dy, x, weight, None, rstd, weight_grad, stream)
 
 
-def layer_norm_backward(dy, x, weight, mean, rstd, *, stream=None):
-    return _norm_bwd("layer_norm_backward", dy, x, weight, mean, rstd, stream)
+def layer_norm_backward(dy, x, weight, mean, rstd, *, weight_grad=True, stream=None):
+    return _norm_bwd("layer_norm_backward", dy, x, weight, mean, rstd, weight_grad, stream)
 
 
 _doc(rms_norm_backward, """Gradients of :func:`rms_norm`: with ``xh = x * rstd`` and
@@ -470,12 +470,16 @@ _doc(rms_norm_backward, """Gradients of :func:`rms_norm`: with ``xh = x * rstd``
         As given to the forward.
     rstd : GPU array
         The statistics from ``rms_norm(..., return_stats=True)``.
+    weight_grad : bool
+        False: ``dx`` only (the weight still scales it), no weight gradient computed (a
+        frozen weight, gradients with respect to ``x`` alone).
     stream : stream, optional
 
     Returns
     -------
     (dx, dweight)
-        ``dweight`` in the weight's dtype, None without a weight.
+        ``dweight`` in the weight's dtype, None without a weight or with
+        ``weight_grad=False``.
 """)
 _doc(layer_norm_backward, """Gradients of :func:`layer_norm`: with ``xh = (x - mean) * rstd``
     and ``g = dy * weight``, ``dx = rstd * (g - mean(g) - xh * mean(g * xh))``,
@@ -488,12 +492,15 @@ _doc(layer_norm_backward, """Gradients of :func:`layer_norm`: with ``xh = (x - m
     weight : GPU array or None
     mean, rstd : GPU arrays
         The statistics from ``layer_norm(..., return_stats=True)``.
+    weight_grad : bool
+        False: ``dx`` only, no weight or bias gradient computed.
     stream : stream, optional
 
     Returns
     -------
     (dx, dweight, dbias)
-        ``dweight`` and ``dbias`` in the weight's dtype; both None without a weight.
+        ``dweight`` and ``dbias`` in the weight's dtype; both None without a weight or with
+        ``weight_grad=False``.
 """)
 
 

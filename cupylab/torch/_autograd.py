@@ -66,9 +66,10 @@ def _rms_norm_backward(k, ctx, dy, _drstd):
     if dy is None:
         return None, None, None
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = k.rms_norm_backward(dy, x, weight, rstd)
     need = ctx.needs_input_grad
-    return (dx if need[0] else None), (dw if weight is not None and need[1] else None), None
+    wg = weight is not None and need[1]  # a frozen weight: no weight gradient computed
+    dx, dw = k.rms_norm_backward(dy, x, weight, rstd, wg)
+    return (dx if need[0] else None), (dw if wg else None), None
 
 
 def _layer_norm_setup(ctx, inputs, output):
@@ -83,8 +84,9 @@ def _layer_norm_backward(k, ctx, dy, _dmean, _drstd):
     if dy is None:
         return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = k.layer_norm_backward(dy, x, weight, mean, rstd)
     need = ctx.needs_input_grad
+    dx, dw, db = k.layer_norm_backward(dy, x, weight, mean, rstd,
+                                       weight is not None and (need[1] or need[2]))
     if weight is None:
         dw = None
         db = None
@@ -109,8 +111,9 @@ def _add_rms_norm_backward(k, ctx, dy, dh, _drstd):
     h, weight, rstd = ctx.saved_tensors
     g = dw = None
     if dy is not None:
-        g, dw = k.rms_norm_backward(dy, h, weight, rstd)
-        if weight is None or not ctx.needs_input_grad[2]:
+        wg = weight is not None and ctx.needs_input_grad[2]
+        g, dw = k.rms_norm_backward(dy, h, weight, rstd, wg)
+        if not wg:
             dw = None
     if dh is not None:  # h is also an output (the next residual): its gradient adds
         g = dh if g is None else g + dh

@@ -103,9 +103,11 @@ def rms_norm(x, weight, eps, stats=True):
     return cupylab.rms_norm(_rows(x), _vec(weight), eps, return_stats=stats)
 
 
-def rms_norm_backward(dy, x, weight, rstd):
-    """``(dx, dweight)``; ``dweight`` is a (0,)-shaped tensor without a weight."""
-    dx, dw = cupylab.rms_norm_backward(_d(dy).contiguous(), _rows(x), _vec(weight), rstd)
+def rms_norm_backward(dy, x, weight, rstd, weight_grad=True):
+    """``(dx, dweight)``; ``dweight`` is a (0,)-shaped tensor without a weight or with
+    ``weight_grad=False`` (then not computed)."""
+    dx, dw = cupylab.rms_norm_backward(_d(dy).contiguous(), _rows(x), _vec(weight), rstd,
+                                       weight_grad=weight_grad)
     return dx, _none_to_empty(dw, dx)
 
 
@@ -115,10 +117,11 @@ def layer_norm(x, weight, bias, eps, stats=True):
     return cupylab.layer_norm(_rows(x), _vec(weight), _vec(bias), eps, return_stats=stats)
 
 
-def layer_norm_backward(dy, x, weight, mean, rstd):
-    """``(dx, dweight, dbias)``; the weight gradients are (0,)-shaped without a weight."""
+def layer_norm_backward(dy, x, weight, mean, rstd, weight_grad=True):
+    """``(dx, dweight, dbias)``; the weight gradients are (0,)-shaped without a weight or with
+    ``weight_grad=False`` (then not computed)."""
     dx, dw, db = cupylab.layer_norm_backward(_d(dy).contiguous(), _rows(x), _vec(weight), mean,
-                                             rstd)
+                                             rstd, weight_grad=weight_grad)
     return dx, _none_to_empty(dw, dx), _none_to_empty(db, dx)
 
 

@@ -19,9 +19,10 @@ where noted):
                                ``empty(shape with dim moved last).movedim(-1, dim)``
 ``log_softmax_backward``       the same for log_softmax
 ``rms_norm``                   ``(x, weight?, eps) -> (y, rstd)``
-``rms_norm_backward``          ``(dy, x, weight?, rstd) -> (dx, dweight)``
+``rms_norm_backward``          ``(dy, x, weight?, rstd, weight_grad=True) -> (dx, dweight)``
 ``layer_norm``                 ``(x, weight?, bias?, eps) -> (y, mean, rstd)``
-``layer_norm_backward``        ``(dy, x, weight?, mean, rstd) -> (dx, dweight, dbias)``
+``layer_norm_backward``        ``(dy, x, weight?, mean, rstd, weight_grad=True) ->
+                               (dx, dweight, dbias)``
 ``add_rms_norm``               ``(x, residual, weight?, eps) -> (y, h, rstd)``
 ``add_rms_norm_``              ``(x, residual!, weight?, eps) -> y``; writes ``h`` into ``residual``
                                (mutates it; no autograd formula)
@@ -55,12 +56,12 @@ SCHEMAS = {
     "softmax_backward": ("(Tensor y, Tensor dy, int dim) -> Tensor", ()),
     "log_softmax_backward": ("(Tensor y, Tensor dy, int dim) -> Tensor", ()),
     "rms_norm": ("(Tensor x, Tensor? weight, float eps) -> (Tensor, Tensor)", ()),
-    "rms_norm_backward": ("(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> "
-                          "(Tensor, Tensor)", ()),
+    "rms_norm_backward": ("(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, "
+                          "bool weight_grad=True) -> (Tensor, Tensor)", ()),
     "layer_norm": ("(Tensor x, Tensor? weight, Tensor? bias, float eps) -> "
                    "(Tensor, Tensor, Tensor)", ()),
-    "layer_norm_backward": ("(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd) "
-                            "-> (Tensor, Tensor, Tensor)", ()),
+    "layer_norm_backward": ("(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, "
+                            "bool weight_grad=True) -> (Tensor, Tensor, Tensor)", ()),
     "add_rms_norm": ("(Tensor x, Tensor residual, Tensor? weight, float eps) -> "
                      "(Tensor, Tensor, Tensor)", ()),
     "add_rms_norm_": ("(Tensor x, Tensor(a!) residual, Tensor? weight, float eps) -> Tensor",
@@ -107,16 +108,17 @@ def _rms_norm_fake(x, weight, eps):
     return (x.new_empty(x.shape), *_stats(x, 1))
 
 
-def _rms_norm_bwd_fake(dy, x, weight, rstd):
-    return x.new_empty(x.shape), _weight_grad(x, weight)
+def _rms_norm_bwd_fake(dy, x, weight, rstd, weight_grad=True):
+    return x.new_empty(x.shape), _weight_grad(x, weight if weight_grad else None)
 
 
 def _layer_norm_fake(x, weight, bias, eps):
     return (x.new_empty(x.shape), *_stats(x, 2))
 
 
-def _layer_norm_bwd_fake(dy, x, weight, mean, rstd):
-    return x.new_empty(x.shape), _weight_grad(x, weight), _weight_grad(x, weight)
+def _layer_norm_bwd_fake(dy, x, weight, mean, rstd, weight_grad=True):
+    w = weight if weight_grad else None
+    return x.new_empty(x.shape), _weight_grad(x, w), _weight_grad(x, w)
 
 
 def _add_rms_norm_fake(x, residual, weight, eps):
