@@ -230,13 +230,28 @@ def from_dlpack(code: int, bits: int, lanes: int = 1) -> DType:
     return d
 
 
+_PY_TYPES = {bool: "bool", int: "int64", float: "float64", complex: "complex128"}
+
+
 def resolve(dtype) -> DType:
-    """Accept a :class:`DType`, a name, a NumPy/ml_dtypes dtype or scalar type, or a torch
-    dtype, and return the :class:`DType`."""
+    """Accept a :class:`DType`, a name, a NumPy/ml_dtypes dtype or scalar type, a torch
+    dtype, or a Python type (``float`` is float64 and ``complex`` complex128, as in NumPy),
+    and return the :class:`DType`. A string cupylab does not know is read by NumPy
+    (``"f8"``, ``"d"``)."""
     if isinstance(dtype, DType):
         return dtype
+    if isinstance(dtype, type) and dtype in _PY_TYPES:
+        return DTYPES[_PY_TYPES[dtype]]
     if isinstance(dtype, str):
-        return from_name(dtype[6:] if dtype.startswith("torch.") else dtype)
+        name = dtype[6:] if dtype.startswith("torch.") else dtype
+        if name not in DTYPES and name not in _ALIASES:
+            try:
+                import numpy as np  # noqa: PLC0415
+
+                name = np.dtype(name).name
+            except TypeError:
+                pass
+        return from_name(name)
     # torch.dtype prints as "torch.float32"; numpy dtypes and scalar types have .name or
     # __name__; ml_dtypes.bfloat16 is named "bfloat16".
     name = getattr(dtype, "name", None)

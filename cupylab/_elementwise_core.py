@@ -473,7 +473,8 @@ def check_overlap(name, ov, shape, views, names, out_name="out"):
         if v is None:
             continue
         bst = broadcast_strides(v, shape)
-        if v.ptr == ov.ptr and all(a == b or e == 1 for a, b, e in zip(bst, ov.strides, shape)):
+        if (v.ptr == ov.ptr and v.dtype.itemsize == ov.dtype.itemsize
+                and all(a == b or e == 1 for a, b, e in zip(bst, ov.strides, shape))):
             continue  # exactly in place: every element is read and written by one thread
         sp = _span(v, shape, bst)
         if sp is not None and sp[0] < ospan[1] and ospan[0] < sp[1]:

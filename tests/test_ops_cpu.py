@@ -55,6 +55,10 @@ def test_overlap_rules():
         check_overlap("add", o, (10,), [shifted], ["x"])
     with pytest.raises(ValueError, match="out overlaps y"):
         check_overlap("add", o, (10,), [same, reversed_], ["x", "y"])
+    # the same address and element strides but another item size: not the same elements
+    wide = View(1000, (10,), (1,), DTYPES["float64"], 0, False, None, "cai", None)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        check_overlap("add", o, (10,), [wide], ["x"])
 
 
 # -- operator argument errors (pinned messages, before any GPU call) -------------------------
@@ -440,3 +444,32 @@ def test_wait_for_makes_its_event_on_the_given_device(monkeypatch):
     assert log == [("create", 1), ("record", "ev1", 0x20), ("wait", 0x10, "ev1"),
                    ("record", "ev1", 0x21), ("wait", 0x11, "ev1")]
     assert dev.cur == [0]
+
+
+def test_strided_kernel_uses_64_bit_indices_when_the_loop_would_pass_int32(sim):
+    """The strided kernel's grid-stride loop reaches i + grid x 256 past the last element:
+    with n just under 2^31 that passes int32 (a wrapped, negative index), so the 64-bit
+    instance is chosen although n itself fits."""
+    n = 2**31 - 100
+    x = FakeCAI((n,), typestr="|i1", ptr=0x7F00_0000_0000 + n - 1, strides=(-1,))
+    o = FakeCAI((n,), typestr="|i1", ptr=0x7F10_0000_0000)
+    cupylab.add(x, 1, out=o)
+    (launch,) = sim["launches"]
+    assert "ew_strided" in launch["name"] and "long long>" in launch["name"]
+    small = FakeCAI((1000,), typestr="|i1", ptr=0x7F20_0000_0000 + 999, strides=(-1,))
+    cupylab.add(small, 1, out=FakeCAI((1000,), typestr="|i1", ptr=0x7F30_0000_0000))
+    assert sim["launches"][-1]["name"].endswith("int>")
+
+
+def test_dtype_keyword_reads_python_types_and_numpy_spellings_as_numpy_does():
+    """dtype=float is float64 (NumPy's meaning of the Python type; it computed in float32),
+    complex is complex128, and NumPy's spellings ("f8", "d") resolve."""
+    from cupylab import _dtypes
+
+    assert _dtypes.resolve(float).name == "float64"
+    assert _dtypes.resolve(complex).name == "complex128"
+    assert _dtypes.resolve(int).name == "int64" and _dtypes.resolve(bool).name == "bool"
+    assert _dtypes.resolve("f8").name == _dtypes.resolve("d").name == "float64"
+    assert _dtypes.resolve("i4").name == "int32"
+    with pytest.raises(TypeError, match="unknown dtype 'nonsense'"):
+        _dtypes.resolve("nonsense")

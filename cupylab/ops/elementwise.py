@@ -431,13 +431,15 @@ def plan(op, c):
     if len(sh) > MAXD:
         raise ValueError(f"{_NAMES[op]}: more than {MAXD} dimensions that cannot be merged "
                          f"(shape {shape}); make the arrays contiguous first")
-    big = n > _INT32_MAX or any(
+    sm = _runtime.device_info(c.device).sm_count
+    grid = max(1, min(-(-n // BLOCK), sm * STRIDED_WAVES))
+    # 64-bit indices when an index, an offset or the loop's last i + step (up to n - 1 + the
+    # grid's threads) passes int32
+    big = n + grid * BLOCK > _INT32_MAX or any(
         sum(abs(s) * (e - 1) for s, e in zip(st, sh)) > _INT32_MAX for st in sts)
     k = kernel("strided", op, types, ("long long" if big else "int",))
     dims = struct.Struct(f"{MAXD}{'q' if big else 'i'}")
     pad = (0,) * (MAXD - len(sh))
-    sm = _runtime.device_info(c.device).sm_count
-    grid = max(1, min(-(-n // BLOCK), sm * STRIDED_WAVES))
     args = list(head_args) + [n, len(sh), dims.pack(*(sh + pad))]
     args += [dims.pack(*(st + pad)) for st in sts]
     return k, grid, tuple(args)
