@@ -60,10 +60,15 @@ class Graph:
             tctx = torch.cuda.stream(torch.cuda.ExternalStream(s.ptr, device=dev))
         with s, tctx:
             s.begin_capture()
+            ok = False
             try:
                 yield self
+                ok = True
             finally:
-                self._graph = s.end_capture()
+                graph = s.end_capture()  # always ends the capture
+                # a body that raised leaves nothing to replay (not a half-captured graph,
+                # nor an earlier one the caller meant to replace)
+                self._graph = graph if ok else None
         self._stream = s
 
     def replay(self, stream=None):

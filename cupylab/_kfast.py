@@ -222,7 +222,7 @@ def _ew_source(ek, torch):
     x = f"a{arrays[0]}"
     if torch:
         same = ("(type({a}) is not TT or {a}.dtype is not fdt or {a}.requires_grad "
-                "or not {a}.is_contiguous() or {a}.is_neg() or not {a}.is_cuda "
+                "or not {a}.is_contiguous() or {a}.is_neg() or {a}.is_conj() or not {a}.is_cuda "
                 "or {a}.get_device() != dev or {a}.shape != shape)")
         head = [f"if type({x}) is not TT:", "    return MISS",
                 f"fdt = {x}.dtype",
@@ -231,7 +231,8 @@ def _ew_source(ek, torch):
                 f"n = {x}.numel()",
                 f"shape = {x}.shape",
                 f"dev = {x}.get_device()",
-                f"if {x}.requires_grad or not {x}.is_contiguous() or {x}.is_neg():",
+                f"if ({x}.requires_grad or not {x}.is_contiguous() or {x}.is_neg() "
+                f"or {x}.is_conj()):",
                 "    return MISS"]
         alloc = ["raw = _k._torch_raw or _k._init_torch()",
                  "s = raw(dev)",

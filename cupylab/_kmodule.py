@@ -400,6 +400,11 @@ def load_kernels(path=None, *, source=None, name_expressions=(), options=(), inc
         raise TypeError(f"load_kernels: source must be a str (got {_arrays._what(source)})")
     if filename is None:
         filename = "<string>"
+    for pname, v in (("name_expressions", name_expressions), ("options", options),
+                     ("include_dirs", include_dirs)):
+        if isinstance(v, (str, bytes)):  # a sequence of characters, not of items
+            raise TypeError(f"load_kernels: {pname} must be a list or tuple of strings, not a "
+                            f"single string (got {v!r}); write [{v!r}]")
     name_expressions = tuple(str(e) for e in name_expressions)
     options = tuple(options)
     include_dirs = tuple(str(d) for d in include_dirs)

@@ -28,6 +28,8 @@ extern "C" __global__ void mix(const void* raw, double* d, long long a, float f,
 template <typename T>
 __global__ void fam(T* out, const T* a, const T* b, T s, long long n) {}
 extern "C" __global__ void addf(const float* x, const float* y, float* z, int n) {}
+template <typename T>
+__global__ void cpy(T* out, const T* a, long long n) {}
 '''
 TORCH_STREAM, CUPY_STREAM = 0x7000, 0x8000
 
@@ -410,6 +412,16 @@ def test_elementwise_errors_after_warm_up(fw, kind):
         with pytest.raises(ValueError, match="C-contiguous with the output's shape"):
             e(a, fw.c((20, 30), strides=(4, 80)), 2.0)  # a transposed view
     assert len(fw.launches) == n
+    if kind == "torch":  # a lazily conjugated tensor is refused, warm pattern or not
+        cp = ElementwiseKernel(mod(), "cpy<{T}>", type_names={"complex64": "float2"})
+        c = fw.t((5,), "complex64")
+        twice(fw, lambda: cp(c))
+        n = len(fw.launches)
+        with pytest.raises(TypeError, match="conj"):
+            cp(fw.t((5,), "complex64", conj=True))
+        with pytest.raises(TypeError, match="conj"):
+            cp(c, out=fw.t((5,), "complex64", conj=True))
+        assert len(fw.launches) == n
     z = mk((0, 3))
     r = e(z, z, 1.0)
     assert r.shape == (0, 3) and len(fw.launches) == n

@@ -473,3 +473,55 @@ def test_dtype_keyword_reads_python_types_and_numpy_spellings_as_numpy_does():
     assert _dtypes.resolve("i4").name == "int32"
     with pytest.raises(TypeError, match="unknown dtype 'nonsense'"):
         _dtypes.resolve("nonsense")
+
+
+def test_a_capture_whose_body_raises_leaves_nothing_to_replay(monkeypatch):
+    """The capture is ended either way, but a body that raised keeps no half-captured graph:
+    replay then says nothing was captured (it replayed the partial work)."""
+    import types
+
+    from cupylab import _graph, _launch, _runtime
+
+    ended = []
+
+    class Stream:
+        ptr = 0x99
+
+        def __init__(self, non_blocking=False):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def begin_capture(self):
+            pass
+
+        def end_capture(self):
+            ended.append(True)
+            return types.SimpleNamespace(launch=lambda *a: None)
+
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: 0), Stream=Stream,
+        get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
+    monkeypatch.setattr(_runtime, "cupy", lambda: cp)
+    monkeypatch.setattr(_launch, "wait_for", lambda *a: None)
+    g = _graph.Graph()
+    with g.capture():
+        pass
+    assert g._graph is not None
+    with pytest.raises(ValueError, match="half-way"), g.capture():
+        raise ValueError("half-way")
+    assert ended == [True, True]
+    with pytest.raises(RuntimeError, match="nothing captured"):
+        g.replay()
+
+
+
+def test_load_kernels_refuses_a_single_string_where_a_list_is_meant():
+    for kw in ({"options": "-DK=4"}, {"include_dirs": "/tmp"}, {"name_expressions": "k<float>"}):
+        name = next(iter(kw))
+        with pytest.raises(TypeError, match=f"load_kernels: {name} must be a list or tuple"):
+            cupylab.load_kernels(source='extern "C" __global__ void k(float* x) {}', **kw)
