@@ -148,6 +148,9 @@ def test_aliasing_rules():
     # the same array twice in a written list
     with pytest.raises(ValueError, match="overlap in memory"):
         F._check_aliasing("op", ["a"], [[x, x]], 1)
+    # one array as two written results (adam_'s exp_avgs[i] is exp_avg_sqs[i])
+    with pytest.raises(ValueError, match=r"b\[0\] and a\[0\] overlap|a\[0\] and b\[0\] overlap"):
+        F._check_aliasing("op", ["a", "b"], [[x, y], [x, _v(16384, 100)]], 0b11)
     # reads may overlap freely; empty arrays never overlap
     F._check_aliasing("op", ["a", "b"], [[_v(0, 0)], [x]], 0)
     F._check_aliasing("op", ["a", "b", "c"], [[y], [x], [_v(4096 + 8, 10)]], 1)

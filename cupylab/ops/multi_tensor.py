@@ -80,8 +80,9 @@ def _contiguous(v):
 
 def _check_aliasing(opname, names, slot_views, writes, inplace_pairs=()):
     """Refuse a written array that overlaps any other array of the call, except the very same
-    array at the same position of another list (in place: every element is read before it is
-    written, by the same thread). The same array twice in one written list is refused."""
+    array at the same position of another list that is only read (in place: every element is
+    read before it is written, by the same thread). The same array twice in one written list,
+    or in two written lists (two results of one element), is refused."""
     spans = []
     for k, vs in enumerate(slot_views):
         if vs is None:
@@ -101,9 +102,10 @@ def _check_aliasing(opname, names, slot_views, writes, inplace_pairs=()):
             if len(cluster) > 1 and any(c[2] for c in cluster):
                 a = cluster[0]
                 for b in cluster[1:]:
-                    # an array and its own result at one position: elementwise, safe
+                    # an array and its own result at one position: elementwise, safe; two
+                    # results written to one array are not
                     ok = (a[0], a[1], a[4]) == (b[0], b[1], b[4]) and (
-                        a[3] != b[3] or not (a[2] or b[2]))
+                        (a[3] != b[3] and not (a[2] and b[2])) or not (a[2] or b[2]))
                     if not ok:
                         raise ValueError(
                             f"{opname}: {names[a[3]]}[{a[4]}] and {names[b[3]]}[{b[4]}] overlap in "
