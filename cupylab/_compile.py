@@ -40,7 +40,11 @@ __all__ = ["Program", "cuda_src_dir", "cache_dir", "compile_program", "nvrtc_ver
 _FORMAT = 1  # bump when the entry layout changes
 _MAGIC = b"CLBIN\x00"
 _HEADER = struct.Struct("<6sHI")  # magic, format, metadata length
-_DEFAULT_OPTIONS = ("--std=c++17",)
+# --no-source-include: NVRTC would search the source's folder first, which for a program
+# given as a string (or as a bare file name) is the process's working directory: a header
+# there would shadow the intended one and escape the cache key. Only the include folders
+# given (and hashed) are searched.
+_DEFAULT_OPTIONS = ("--std=c++17", "--no-source-include")
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
 
@@ -120,7 +124,6 @@ class Program:
         self.name_expressions = tuple(name_expressions)
         self.options = _DEFAULT_OPTIONS + tuple(o for o in options if o not in _DEFAULT_OPTIONS)
         self.include_dirs = tuple(str(Path(d)) for d in include_dirs)
-        self._headers_digest = None
 
     @classmethod
     def from_file(cls, path, name_expressions, options=(), include_dirs=()):
@@ -131,31 +134,54 @@ class Program:
     def _include_options(self):
         return tuple(f"-I{d}" for d in self.include_dirs)
 
+    def _option_paths(self):
+        """``(include folders, pre-included headers)`` named in the options (``-I``,
+        ``--include-path``, ``-include``, ``--pre-include``, joined or as the next option)."""
+        dirs, pre = [], []
+        opts = list(self.options)
+        for i, o in enumerate(opts):
+            nxt = opts[i + 1] if i + 1 < len(opts) else None
+            for flags, out in ((("-I", "--include-path"), dirs), (("-include", "--pre-include"),
+                                                                  pre)):
+                for flag in flags:
+                    if o == flag and nxt is not None:
+                        out.append(nxt)
+                    elif o.startswith(flag + "=") or (flag == "-I" and o.startswith("-I")
+                                                      and len(o) > 2):
+                        out.append(o[len(flag) + (1 if o.startswith(flag + "=") else 0):])
+        return tuple(dirs), tuple(pre)
+
     def headers_digest(self) -> str:
-        """SHA-256 over every header reachable through ``#include`` from the source, found in
-        the include directories (headers NVRTC supplies itself, e.g. ``<cuda_fp16.h>`` from
-        the toolkit, are keyed through the NVRTC version instead)."""
-        if self._headers_digest is not None:
-            return self._headers_digest
+        """SHA-256 over every header reachable through ``#include`` from the source (and the
+        headers the options pre-include), found in the include directories and those the
+        options name. Read again for each key, so that a header edited between two compiles
+        is never stored under its old contents' key. Headers NVRTC supplies itself, e.g.
+        ``<cuda_fp16.h>`` from the toolkit, are keyed through the NVRTC version instead."""
+        opt_dirs, pre = self._option_paths()
+        dirs = self.include_dirs + opt_dirs
         h = hashlib.sha256()
         seen = set()
 
         def walk(text, here):
             for _, inc in _INCLUDE_RE.findall(text):
-                for d in ((here,) if here else ()) + self.include_dirs:
-                    p = Path(d) / inc
-                    if p.is_file():
-                        rp = str(p.resolve())
-                        if rp not in seen:
-                            seen.add(rp)
-                            body = p.read_text(errors="replace")
-                            h.update(inc.encode() + b"\0" + body.encode() + b"\0")
-                            walk(body, str(p.parent))
-                        break
+                find(inc, here)
 
+        def find(inc, here):
+            for d in ((here,) if here else ()) + dirs:
+                p = Path(d) / inc
+                if p.is_file():
+                    rp = str(p.resolve())
+                    if rp not in seen:
+                        seen.add(rp)
+                        body = p.read_text(errors="replace")
+                        h.update(inc.encode() + b"\0" + body.encode() + b"\0")
+                        walk(body, str(p.parent))
+                    return
+
+        for inc in pre:
+            find(inc, None)
         walk(self.source, None)
-        self._headers_digest = h.hexdigest()
-        return self._headers_digest
+        return h.hexdigest()
 
     def key(self, arch_option: str, nvrtc_ver: tuple) -> str:
         h = hashlib.sha256()

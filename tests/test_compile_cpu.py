@@ -81,6 +81,37 @@ def test_header_change_recompiles(cache, program):
     assert len(_entries(cache)) == 2
 
 
+def test_the_key_follows_every_header_nvrtc_can_read(cache, program, tmp_path, monkeypatch):
+    """Headers reached through -I / --include-path options and pre-included ones are hashed;
+    a header edited after a program's first key changes its next key (it was kept); the
+    working directory is never searched (NVRTC searched it for a string source, outside the
+    key)."""
+    make, inc = program
+    k = lambda p: p.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
+    p = make()
+    first = k(p)
+    (inc / "helper.cuh").write_text("template <typename T> __device__ T helper_scale() { return T(7); }\n")
+    assert k(p) != first  # the same Program object, the header edited in between
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "helper.cuh").write_text("template <typename T> __device__ T helper_scale() { return T(4); }\n")
+    for opts in ([f"-I{other}"], ["-I", str(other)], [f"--include-path={other}"]):
+        q = _compile.Program(SRC, "twice.cu", ["twice<float>"], opts)
+        before = k(q)
+        (other / "helper.cuh").write_text("template <typename T> __device__ T helper_scale() { return T(6); }\n")
+        assert k(q) != before, opts
+        (other / "helper.cuh").write_text("template <typename T> __device__ T helper_scale() { return T(4); }\n")
+    (other / "pre.h").write_text("#define PRE 1\n")
+    q = _compile.Program("extern \"C\" __global__ void k(int* x) { x[0] = PRE; }", "k.cu", ["k"],
+                         ["-include", "pre.h", f"-I{other}"])
+    before = k(q)
+    (other / "pre.h").write_text("#define PRE 2\n")
+    assert k(q) != before
+    monkeypatch.chdir(inc)  # helper.cuh in the working directory only
+    with pytest.raises(CompileError, match="helper.cuh"):
+        _compile.compile_program(_compile.Program(SRC, "<string>", ["twice<float>"]), 90)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
 def test_corrupt_entry_is_rebuilt_not_loaded(cache, program, damage):
     make, _ = program
