@@ -110,7 +110,18 @@ def precompile(argv):
         if r not in ("numpy", "torch", "jax"):
             p.error(f"--rules: unknown rule {r!r}; known: numpy, torch, jax")
         if r != "numpy":
-            __import__("torch" if r == "torch" else "jax")
+            mod = "torch" if r == "torch" else "jax"
+            try:
+                __import__(mod)
+            except ImportError as e:
+                p.error(f"--rules {r}: {mod} is not importable here ({e}); its promotion "
+                        "rules come from its own result_type")
+    # the cache the compiled kernels go to: enabled, creatable and trusted, or nothing to do
+    if not _compile._cache_enabled():
+        p.error("the kernel cache is disabled (CUPYLAB_CACHE_DISABLE): nothing would be kept")
+    if _compile.trusted_cache_dir() is None:
+        p.error(f"the kernel cache directory {_compile.cache_dir()} cannot be created or is "
+                "not private to this user (see the warning above); set CUPYLAB_CACHE_DIR")
     for f in a.families:
         if f != "elementwise" and f not in _FAMILIES:
             p.error(f"--families: unknown family {f!r}; known: elementwise, "
@@ -148,4 +159,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import signal
+
+    # a closed pipe (``python -m cupylab --help | head -1``) ends the process silently by
+    # SIGPIPE, as it ends `cat`, not with a BrokenPipeError traceback
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())

@@ -135,6 +135,8 @@ def test_list_needs_no_gpu(monkeypatch):
     (["run", "--size", "abc"], ["cannot read size 'abc'"]),
     (["run", "--size", "0"], ["has no elements"]),
     (["run", "--size", "2^10..2^4"], ["cannot read size"]),
+    (["run", "--size", "2^0..2^300000"], ["cannot read size", "exponents up to 48"]),
+    (["run", "--size", "2^49"], ["cannot read size"]),
     (["run", "--peers", "numpy"], ["unknown peer 'numpy'", "torch, torch.compile, cupy, jax"]),
     (["run", "--framework", "numpy"], ["numpy"]),
     (["run", "--repeat", "0"], ["0 is not in the range"]),

@@ -399,6 +399,16 @@ def test_precompile_cli_fills_the_cache_without_a_gpu(tmp_path):
     assert bad.returncode == 2 and "unknown operator 'power'" in bad.stderr
     bad = subprocess.run(cmd[:6] + ["--families", "fft"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "unknown family 'fft'" in bad.stderr
+    # nowhere to keep the kernels: exit 2 with the reason, not "N compiled ... into DIR"
+    off = subprocess.run(cmd, capture_output=True, text=True,
+                         env={**env, "CUPYLAB_CACHE_DISABLE": "1"})
+    assert off.returncode == 2 and "the kernel cache is disabled" in off.stderr
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    untrusted = subprocess.run(cmd, capture_output=True, text=True,
+                               env={**env, "CUPYLAB_CACHE_DIR": str(shared)})
+    assert untrusted.returncode == 2 and "not private to this user" in untrusted.stderr
 
 
 class FakeDeviceMemory:

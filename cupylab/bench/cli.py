@@ -139,10 +139,20 @@ _POW = re.compile(r"^2(?:\^|\*\*)(\d+)$")
 _RANGE = re.compile(r"^2(?:\^|\*\*)(\d+)\.\.2(?:\^|\*\*)(\d+)(?::(\d+))?$")
 
 
+_MAX_EXP = 48  # 2^48 elements: far beyond any GPU's memory, and a bound on range lengths
+
+
+def _exp(text):
+    k = int(text)
+    if k > _MAX_EXP:
+        raise ValueError(text)
+    return k
+
+
 def _parse_int(tok):
     m = _POW.match(tok)
     if m:
-        return 1 << int(m.group(1))
+        return 1 << _exp(m.group(1))
     t = tok.replace("_", "")
     if t.isdigit():
         return int(t)
@@ -176,7 +186,7 @@ def parse_sizes(values):
         try:
             m = _RANGE.match(t)
             if m:
-                a, b, step = int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)
+                a, b, step = _exp(m.group(1)), _exp(m.group(2)), int(m.group(3) or 1)
                 if b < a or step < 1:
                     raise ValueError(tok)
                 shapes += [(1 << k,) for k in range(a, b + 1, step)]
@@ -185,7 +195,7 @@ def parse_sizes(values):
         except ValueError:
             raise click.BadParameter(
                 f"cannot read size {tok!r}; use e.g. 1048576, 2^20, 4096x4096, 2^10..2^28 or "
-                "2^10..2^28:2", param_hint="'--size'") from None
+                f"2^10..2^28:2 (exponents up to {_MAX_EXP})", param_hint="'--size'") from None
         if not dims or any(d < 1 for d in dims):
             raise click.BadParameter(f"size {tok!r} has no elements", param_hint="'--size'")
         if dims not in shapes:
@@ -760,8 +770,9 @@ def main(argv=None):
     args = list(sys.argv[1:] if argv is None else argv)
     # A closed pipe (``cupylab-bench list | head -1``) ends the process the way it ends `cat` or
     # `ls`: by SIGPIPE, silently (exit status 141 in the shell), not click's exit 1, which this
-    # command reserves for "a case failed".
-    if hasattr(signal, "SIGPIPE"):
+    # command reserves for "a case failed". Only when run as the program (argv None): a
+    # caller's own main([...]) keeps its process's signal handling.
+    if argv is None and hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     return cli.main(args=args, prog_name="cupylab-bench", obj={"argv": ["cupylab-bench", *args]})
 
