@@ -172,7 +172,10 @@ def _from_cupy(a, what, stream):
     el = tuple(s // isz for s in strides)
     if any(e * isz != s for e, s in zip(el, strides)):
         raise ValueError(f"{what}: byte strides {strides} are not multiples of the item size {isz}")
-    return View(a.data.ptr, a.shape, el, d, a.device.id, False, None, "cupy", a)
+    ptr = a.data.ptr
+    if ptr % isz and a.size:  # a byte-offset .view() of another dtype, as the other adapters
+        raise ValueError(f"{what}: data pointer 0x{ptr:x} is not aligned to its item size")
+    return View(ptr, a.shape, el, d, a.device.id, False, None, "cupy", a)
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,7 +35,9 @@ _cache: dict = {}
 
 
 def operand_key(v, view):
-    """The cache key of one operand (see the module docstring)."""
+    """The cache key of one operand (see the module docstring). Subclasses of Python numbers
+    (an IntEnum, a float subclass) are strong, as NumPy takes them: int64, float64,
+    complex128."""
     if view is not None:
         return ("a", view.dtype.name, not view.shape)
     t = type(v)
@@ -47,7 +49,15 @@ def operand_key(v, view):
         return ("w", "float")
     if t is complex:
         return ("w", "complex")
-    return ("s", _dtypes.resolve(v.dtype).name)  # NumPy scalar or 0-d host array
+    dt = getattr(v, "dtype", None)
+    if dt is None:
+        for base, name in ((bool, "bool"), (int, "int64"), (float, "float64"),
+                           (complex, "complex128")):
+            if isinstance(v, base):
+                return ("s", name)
+        raise TypeError(f"{type(v).__module__}.{type(v).__qualname__} is not a number cupylab "
+                        "can use (a Python or NumPy bool, int, float or complex)")
+    return ("s", _dtypes.resolve(dt).name)  # NumPy scalar or 0-d host array
 
 
 def resolve(rule, op, keys, dtype=None, out=None, casting="same_kind"):
@@ -60,8 +70,9 @@ def resolve(rule, op, keys, dtype=None, out=None, casting="same_kind"):
         The framework refuses the combination (its message), or a cast that ``casting``
         forbids.
     """
-    ck = (rule, op, keys, dtype, out, casting,
-          _torch_default() if rule == "torch" and op == "true_divide" else None)
+    # torch's default dtype decides its results for integer true division and for Python
+    # floats and complexes with integer tensors: part of every torch key
+    ck = (rule, op, keys, dtype, out, casting, _torch_default() if rule == "torch" else None)
     r = _cache.get(ck)
     if r is None:
         try:
@@ -167,18 +178,50 @@ def _torch(op, keys, dtype, out, casting):
     r = torch.result_type(args[0], args[1])
     if op == "fused_add_mul":
         r = torch.result_type(torch.empty((1,), dtype=r), args[2])
+    if r == getattr(torch, "complex32", None):
+        raise TypeError("torch's result type is complex32 (ComplexHalf), which cupylab does not "
+                        "compute; make an operand complex64 first")
     rt = _dtypes.resolve(r)
-    if op == "subtract" and (rt.kind == "b" or any(k[0] == "a" and k[1] == "bool"
-                                                    for k in keys)):
-        raise TypeError("Subtraction, the `-` operator, with a bool tensor is not supported "
-                        "(torch's rule); use the `^` or logical_xor() operator instead")
-    if op == "floor_divide" and rt.kind in "bc":
-        raise TypeError(f"floor_divide is not supported for {rt.name} tensors (torch's rule)")
     if op == "true_divide" and rt.kind in "biu":
         rt = _dtypes.resolve(torch.get_default_dtype())
     ct = dtype or rt
-    ins = [_dtypes.from_name(k[1]) for k in keys if k[0] == "a"]
+    if op == "subtract" and (ct.kind == "b" or any(k[1] == "bool" for k in keys)):
+        raise TypeError("Subtraction, the `-` operator, with a bool tensor is not supported "
+                        "(torch's rule); use the `^` or logical_xor() operator instead")
+    _refuse_kinds(op, ct)
+    # 0-d tensors take part by category only (torch converts them like Python numbers)
+    ins = [_dtypes.from_name(k[1]) for k in keys if k[0] == "a" and not k[2]]
+    _check_scalar_kinds(op, keys, ct, casting)
     return _check_casts(ct, ins, out, casting, op)
+
+
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+_PY_KIND = {"bool": "b", "int": "i", "float": "f", "complex": "c"}
+
+
+def _refuse_kinds(op, ct):
+    """The computation dtypes an operator has no meaning in (``dtype=`` may ask for them
+    under the torch and JAX rules; NumPy's rule refuses them itself)."""
+    if op == "floor_divide" and ct.kind in "bc":
+        raise TypeError(f"floor_divide is not supported for {ct.name} (no floor of a "
+                        f"{'complex number' if ct.kind == 'c' else 'bool'})")
+    if op == "true_divide" and ct.kind in "biu":
+        raise TypeError(f"true division cannot compute in {ct.name}; give dtype= a float or "
+                        "complex dtype (floor_divide divides integers)")
+
+
+def _check_scalar_kinds(op, keys, ct, casting):
+    """A Python or NumPy scalar of a higher kind than the computation dtype would be
+    truncated (2.5 into int32): refused unless ``casting="unsafe"``."""
+    if casting == "unsafe":
+        return
+    for k in keys:
+        if k[0] == "a":
+            continue
+        kind = _PY_KIND[k[1]] if k[0] == "w" else _dtypes.from_name(k[1]).kind
+        if _KIND_RANK[kind] > _KIND_RANK[ct.kind]:
+            raise TypeError(f"Cannot cast ufunc '{op}' scalar of kind {k[1]} to {ct.name} with "
+                            f"casting rule '{casting}'")
 
 
 # -- JAX --------------------------------------------------------------------------------------
@@ -204,6 +247,10 @@ def _jax(op, keys, dtype, out, casting):
 
     rt = _dtypes.resolve(jax.eval_shape(f, *arrays).dtype)
     ct = dtype or rt
+    if op == "subtract" and ct.kind == "b":
+        raise TypeError("subtract is not supported for bool (JAX's rule)")
+    _refuse_kinds(op, ct)
+    _check_scalar_kinds(op, keys, ct, casting)
     ins = [_dtypes.from_name(k[1]) for k in keys if k[0] != "w"]
     return _check_casts(ct, ins, out, casting, op)
 

@@ -493,3 +493,18 @@ def test_bfloat16_with_python_scalars_stays_bfloat16():
             assert _promotion.resolve("numpy", op, (("w", w), bf))[1].name == "bfloat16"
     assert _promotion.resolve("numpy", "add", (bf, ("w", "complex")))[1].name == "complex64"
     assert _promotion.resolve("numpy", "add", (bf, ("a", "float32", False)))[1].name == "float32"
+
+
+def test_a_misaligned_cupy_view_is_refused_like_other_adapters():
+    """A byte-offset view of another dtype (cp.zeros(64, uint8)[1:33].view(int32)) is not
+    aligned to its item size: refused with the other adapters' ValueError, not launched into
+    a misaligned-address fault."""
+    cp = pytest.importorskip("cupy")
+    from cupylab import _arrays
+
+    mem = cp.cuda.UnownedMemory(0x7F0000000000, 4096, None, device_id=0)
+    a = cp.ndarray((8,), np.int32, cp.cuda.MemoryPointer(mem, 1))
+    with pytest.raises(ValueError, match="not aligned to its item size"):
+        _arrays.as_view(a, "add: x1")
+    ok = cp.ndarray((8,), np.int32, cp.cuda.MemoryPointer(mem, 4))
+    assert _arrays.as_view(ok, "add: x1").ptr == 0x7F0000000004

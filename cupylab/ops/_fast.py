@@ -332,7 +332,7 @@ def _mixed_info(key, rule, alloc_dtype):
     handles or explains)."""
     from .. import _promotion  # noqa: PLC0415
 
-    op, fx, fy, fz, fo = key
+    op, fx, fy, fz, fo = key[:5]
     try:
         ds = [_dtypes.resolve(f) for f in (fx, fy) + ((fz,) if fz is not None else ())]
         do = None if fo is None else _dtypes.resolve(fo)
@@ -464,7 +464,9 @@ def _torch_mixed(op, x, y, z, out):
                 out is not None and type(out) is not tt):
             return MISS
         key = (op, x.dtype, y.dtype, z.dtype if three else None,
-               None if out is None else out.dtype)
+               None if out is None else out.dtype,
+               # integer true division gives torch's default dtype: part of the key
+               sys.modules["torch"].get_default_dtype() if _names[op] == "true_divide" else None)
         info = _minfo.get(key, 0)
         if info == 0:
             info = _mixed_info(key, "torch", _torch_alloc_dtype)
