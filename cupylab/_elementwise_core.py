@@ -270,6 +270,15 @@ def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalar
         lead = n
     elif lead is None:
         raise TypeError(f"{name}: at least one operand must be a GPU array (all are scalars)")
+    elif out is not None:
+        # out is imported like the inputs (not read): a DLPack producer is then asked to
+        # order its work before the launch stream, not the legacy one
+        ofn = _arrays.framework_of(out)
+        if ofn is None:
+            raise _arrays._host_error(f"{name}: out", out)
+        ops.append(out)
+        names = list(names) + ["out"]
+        fns.append(ofn)
 
     deferred = _arrays.DEFERRED
     views = [None] * len(ops)
@@ -352,7 +361,7 @@ def _validate(name, ops, views, names, dtype_check, promote, out, kind, n):
     if promote is not None:
         return _validate_promote(name, ops, views, names, promote, out, kind, n)
     dt = None
-    for i, v in enumerate(views):
+    for i, v in enumerate(views[:n]):  # the inputs (out, when given, is views[n])
         if v is None:
             continue
         if dt is None:
@@ -363,12 +372,13 @@ def _validate(name, ops, views, names, dtype_check, promote, out, kind, n):
                 f"{names[i]}); cupylab does not promote between arrays, cast one first")
     if dtype_check is not None:
         dtype_check(dt)
-    scalars = [0] * len(ops)
-    for i, o in enumerate(ops):
+    scalars = [0] * n
+    for i, o in enumerate(ops[:n]):
         if views[i] is None:
             scalars[i] = _scalar_for(name, names[i], o, dt)
-    shape = _shape_of(name, views)
-    ov = _check_out_static(name, out, shape, dt) if out is not None else dt
+    shape = _shape_of(name, views[:n])
+    ov = (_check_out_static(name, out, shape, dt, views[n] if len(views) > n else None)
+          if out is not None else dt)
     return dt, scalars, shape, ov
 
 

@@ -525,3 +525,20 @@ def test_load_kernels_refuses_a_single_string_where_a_list_is_meant():
         name = next(iter(kw))
         with pytest.raises(TypeError, match=f"load_kernels: {name} must be a list or tuple"):
             cupylab.load_kernels(source='extern "C" __global__ void k(float* x) {}', **kw)
+
+
+def test_a_given_out_is_ordered_after_its_producer_like_the_inputs(sim):
+    """out= is written by the launch: a CAI v3 out's stream is waited on, and a DLPack out is
+    asked to order its work before the launch stream (it was imported for the legacy
+    stream), as the inputs are."""
+    from conftest import FakeDLPack
+
+    x = f32((4,), ptr=0x7F00_0000_1000)
+    o = f32((4,), ptr=0x7F00_0000_2000, stream=0x77)
+    cupylab.add(x, 1.0, out=o)
+    assert (0x5700, 0x77) in sim["waits"]
+    d = FakeDLPack((4,), ptr=0x7F00_0000_3000)
+    cupylab.add(x, 1.0, out=d)
+    assert d.asked_stream == 0x5700
+    with pytest.raises(TypeError, match="Cannot cast ufunc 'add' output from"):
+        cupylab.add(x, x, out=FakeCAI((4,), "<i4", ptr=0x7F00_0000_4000))

@@ -355,8 +355,9 @@ def _host_scalars(name, kop, operands, dt, casting):
 
 
 def _wait_producers(c):
-    """Order the launch after producers that told us their stream (CAI v3)."""
-    for v in c.views:
+    """Order the launch after producers that told us their stream (CAI v3): the inputs' and
+    a given ``out``'s (its pending work must not overlap the launch's writes)."""
+    for v in c.views + ([] if c.allocated else [c.out]):
         if v is not None and v.stream is not None:
             _launch.wait_for(c.stream, v.stream, c.device)
 
