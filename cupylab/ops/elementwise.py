@@ -491,7 +491,9 @@ def prepare(fn, *args, out=None, dtype=None, casting="same_kind", stream=None):
     stream at call time (torch's for torch arrays, CuPy's otherwise) or on ``stream`` if given
     here. The arrays must stay alive and keep their storage while the prepared call is used;
     new values written into them are of course seen. Call it with the arrays' device current
-    (``call.device``): to stay as cheap as a bare launch, ``call()`` does not switch devices.
+    (``call.device``): to stay as cheap as a bare launch, ``call()`` does not switch devices,
+    and it does not wait on the streams CUDA Array Interface v3 producers name (an operator
+    call does): order such producers' work before the call's stream yourself.
 
     Parameters
     ----------
