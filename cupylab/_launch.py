@@ -109,6 +109,11 @@ def wait_for(consumer: int, producer, device: int) -> None:
         producer = 0
         if consumer == 0:
             return
+    if _capturing(rt, consumer) and not _capturing(rt, producer):
+        # a graph being captured cannot depend on work queued outside the capture (CUDA
+        # refuses the wait and ends the capture); the producer's work must be finished
+        # before capturing, as for any input of a graph
+        return
     evs = getattr(_tls_events, "d", None)
     if evs is None:
         evs = _tls_events.d = {}
@@ -118,6 +123,15 @@ def wait_for(consumer: int, producer, device: int) -> None:
             ev = evs[device] = rt.eventCreateWithFlags(rt.eventDisableTiming)
     rt.eventRecord(ev, producer)
     rt.streamWaitEvent(consumer, ev, 0)
+
+
+def _capturing(rt, stream) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph (also when the runtime refuses
+    the question, as for the legacy stream while another stream captures)."""
+    try:
+        return rt.streamIsCapturing(stream) != 0
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def ensure_device(device: int):

@@ -435,7 +435,9 @@ def test_wait_for_makes_its_event_on_the_given_device(monkeypatch):
         eventDisableTiming=2, getDevice=lambda: dev.cur[0],
         eventCreateWithFlags=lambda f: log.append(("create", dev.cur[0])) or f"ev{dev.cur[0]}",
         eventRecord=lambda ev, s: log.append(("record", ev, s)),
-        streamWaitEvent=lambda s, ev, f: log.append(("wait", s, ev)))
+        streamWaitEvent=lambda s, ev, f: log.append(("wait", s, ev)),
+        streamIsCapturing=lambda s: int(s in capturing))
+    capturing = set()
     monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(
         cuda=types.SimpleNamespace(runtime=rt, Device=dev)))
     monkeypatch.setattr(_launch._tls_events, "d", {}, raising=False)
@@ -444,6 +446,15 @@ def test_wait_for_makes_its_event_on_the_given_device(monkeypatch):
     assert log == [("create", 1), ("record", "ev1", 0x20), ("wait", 0x10, "ev1"),
                    ("record", "ev1", 0x21), ("wait", 0x11, "ev1")]
     assert dev.cur == [0]
+    # a capturing consumer cannot wait on work outside the capture (CUDA would end the
+    # capture): skipped; a producer inside the same capture (a forked stream) is waited on
+    log.clear()
+    capturing.add(0x10)
+    _launch.wait_for(0x10, 0x20, 1)
+    assert log == []
+    capturing.add(0x20)
+    _launch.wait_for(0x10, 0x20, 1)
+    assert log == [("record", "ev1", 0x20), ("wait", 0x10, "ev1")]
 
 
 def test_strided_kernel_uses_64_bit_indices_when_the_loop_would_pass_int32(sim):
