@@ -37,7 +37,7 @@ from ._errors import CompileError
 
 __all__ = ["Program", "cuda_src_dir", "cache_dir", "compile_program", "nvrtc_version"]
 
-_FORMAT = 1  # bump when the entry layout changes
+_FORMAT = 2  # bump when the entry layout changes (2: the key stored in the entry)
 _MAGIC = b"CLBIN\x00"
 _HEADER = struct.Struct("<6sHI")  # magic, format, metadata length
 # --no-source-include: NVRTC would search the source's folder first, which for a program
@@ -297,14 +297,16 @@ def _entry_path(key: str, d=None) -> Path:
     return (cache_dir() if d is None else d) / f"{key}.clbin"
 
 
-def _pack_entry(binary: bytes, mapping: dict, kind: str) -> bytes:
-    meta = json.dumps({"kind": kind, "mapping": mapping}, sort_keys=True).encode()
+def _pack_entry(binary: bytes, mapping: dict, kind: str, key: str = "") -> bytes:
+    # the key is stored too: an entry moved or linked to another key's name is not loaded
+    meta = json.dumps({"kind": kind, "mapping": mapping, "key": key}, sort_keys=True).encode()
     body = _HEADER.pack(_MAGIC, _FORMAT, len(meta)) + meta + binary
     return body + hashlib.sha256(body).digest()
 
 
-def _unpack_entry(blob: bytes):
-    """Return ``(binary, mapping, kind)`` or ``None`` for anything malformed or corrupt."""
+def _unpack_entry(blob: bytes, key: str = ""):
+    """Return ``(binary, mapping, kind)`` or ``None`` for anything malformed, corrupt or
+    stored under another key."""
     if len(blob) < _HEADER.size + 32:
         return None
     body, digest = blob[:-32], blob[-32:]
@@ -315,6 +317,8 @@ def _unpack_entry(blob: bytes):
         return None
     try:
         meta = json.loads(body[_HEADER.size:_HEADER.size + mlen])
+        if meta.get("key", "") != key:
+            return None
         return body[_HEADER.size + mlen:], dict(meta["mapping"]), meta["kind"]
     except (ValueError, KeyError, TypeError):
         return None
@@ -335,7 +339,7 @@ def load_entry(key: str):
             blob = f.read()
     except OSError:
         return None
-    return _unpack_entry(blob)
+    return _unpack_entry(blob, key)
 
 
 def store_entry(key: str, binary: bytes, mapping: dict, kind: str) -> None:
@@ -348,7 +352,7 @@ def store_entry(key: str, binary: bytes, mapping: dict, kind: str) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=d)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(_pack_entry(binary, mapping, kind))
+                f.write(_pack_entry(binary, mapping, kind, key))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, _entry_path(key, d))

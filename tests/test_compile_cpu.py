@@ -112,6 +112,17 @@ def test_the_key_follows_every_header_nvrtc_can_read(cache, program, tmp_path, m
         _compile.compile_program(_compile.Program(SRC, "<string>", ["twice<float>"]), 90)
 
 
+def test_an_entry_under_another_keys_name_is_not_loaded(cache, program):
+    """An entry renamed or linked to another key's file name (someone who can write a parent
+    folder swapping entries) is refused: the entry carries its own key."""
+    make, _ = program
+    _, _, _, key = _compile.compile_program(make(), 90)
+    other = "0" * len(key)
+    (cache / f"{other}.clbin").write_bytes((cache / f"{key}.clbin").read_bytes())
+    assert _compile.load_entry(key) is not None
+    assert _compile.load_entry(other) is None
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
 def test_corrupt_entry_is_rebuilt_not_loaded(cache, program, damage):
     make, _ = program
