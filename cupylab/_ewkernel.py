@@ -19,6 +19,14 @@ C_TYPE_NAMES = {
 _INT_FMTS = frozenset("bBhHiIlLqQnN")
 
 
+def untyped_ok(p):
+    """Whether an untyped pointer parameter ``p`` (no dtype) may take an array here: raw
+    memory (void*, char*) is indexed as the arrays' elements by the kernel's own casts."""
+    from ._kparams import _BYTE_POINTEES  # noqa: PLC0415
+
+    return p.ctype in _BYTE_POINTEES and "*" not in p.decl.replace("*", "", 1)
+
+
 class ElementwiseKernel:
     """Turn a user kernel of the form ``k(out, in..., n)`` into a NumPy-style function.
 
@@ -151,6 +159,13 @@ class ElementwiseKernel:
             if p.pointer and p.dtype is not None and p.dtype is not dt:
                 raise TypeError(f"{p.what} needs {p.dtype.name} arrays but the arrays are "
                                 f"{dt.name}")
+            if p.pointer and p.dtype is None and not untyped_ok(p):
+                # the element count is the arrays' size: a pointee of another size (float4,
+                # a struct, a pointer) would be indexed past the arrays' end
+                raise TypeError(f"{p.what}: ElementwiseKernel cannot tell how many "
+                                f"{p.ctype} elements an array holds; use a pointer to the "
+                                "element type (float*, double*, float2* for complex64, ...) "
+                                "or a Kernel with an explicit count")
         return k
 
     def __call__(self, *args, out=None, stream=None):

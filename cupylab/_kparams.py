@@ -45,6 +45,10 @@ _FLOAT_TYPES = {  # canonical C spelling -> dtype name
 }
 #: Pointee types whose pointers take any array (raw bytes / untyped memory).
 _BYTE_POINTEES = frozenset({"void", "char", "unsigned char", "signed char"})
+#: Pairs of floats laid out as a complex number: their pointers take complex arrays.
+_COMPLEX_POINTEES = {"float2": "complex64", "cuComplex": "complex64",
+                     "cuFloatComplex": "complex64", "double2": "complex128",
+                     "cuDoubleComplex": "complex128"}
 #: CUDA's builtin vector types, passed by value as a sequence of components.
 _VECTOR_TYPES = {}
 for _b, _c in (("char", "b"), ("uchar", "B"), ("short", "h"), ("ushort", "H"), ("int", "i"),
@@ -366,6 +370,8 @@ def _make_param(index, toks, subst, aliases, struct_formats, kname):
                 p.dtype = _dtypes.DTYPES[_FLOAT_TYPES[ctype]]
             elif ctype == "bool":
                 p.dtype = _dtypes.DTYPES["bool"]
+            elif ctype in _COMPLEX_POINTEES:
+                p.dtype = _dtypes.DTYPES[_COMPLEX_POINTEES[ctype]]
         return p
     if ctype in _INT_TYPES:
         fmt, signed = _INT_TYPES[ctype]

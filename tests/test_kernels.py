@@ -392,6 +392,25 @@ def test_dtype_must_match_pointee():
            FakeCAI((8,), "|b1"))
     with pytest.raises(TypeError, match="needs uint64 data but got a int64"):
         h.pack(FakeCAI((8,), "<f2"), FakeCAI((8,), "<i8"), FakeCAI((8,), "<i8"), None)
+    # complex pairs take complex arrays only (a float32 array of 8 is 4 float2 elements)
+    c = mod('extern "C" __global__ void c(float2* a, const double2* b, cuComplex* z) {}')["c"]
+    c.pack(FakeCAI((8,), "<c8"), FakeCAI((8,), "<c16"), FakeCAI((8,), "<c8"))
+    with pytest.raises(TypeError, match="needs complex64 data but got a float32"):
+        c.pack(FakeCAI((8,), "<f4"), FakeCAI((8,), "<c16"), FakeCAI((8,), "<c8"))
+
+
+def test_elementwise_kernel_refuses_pointers_it_cannot_count(sim):
+    """ElementwiseKernel passes the arrays' element count: a pointee cupylab has no dtype for
+    (float4, a struct, a pointer) would be indexed past the arrays' end."""
+    m = mod('extern "C" __global__ void v4(float4* out, const float4* a, long long n) {}\n'
+            'extern "C" __global__ void raw(void* out, const void* a, long long n) {}')
+    e = ElementwiseKernel(m["v4"])
+    with pytest.raises(TypeError, match=r"cannot tell how many float4 elements"):
+        e(FakeCAI((8,), "<f4"), out=FakeCAI((8,), "<f4", ptr=0x7F00_0001_0000))
+    assert sim["launches"] == []
+    ElementwiseKernel(m["raw"])(FakeCAI((8,), "<f4"),
+                                out=FakeCAI((8,), "<f4", ptr=0x7F00_0002_0000))
+    assert len(sim["launches"]) == 1
 
 
 def test_readonly_array_needs_const_pointer():
