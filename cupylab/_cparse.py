@@ -228,14 +228,21 @@ def _scan(source: str, filename="<string>"):
 
 
 def _alias(stmt, aliases):
-    """Record ``typedef <type> NAME`` and ``using NAME = <type>`` (simple aliases only)."""
+    """Record ``typedef <type> NAME`` and ``using NAME = <type>`` (simple aliases only). A
+    name defined twice with different types (branches of ``#if``, other namespaces: the
+    scanner evaluates neither) is recorded as ``None``: a parameter of that type is then
+    reported instead of guessed."""
     if not stmt or "(" in stmt or "{" in stmt:
         return
     if stmt[0] == "typedef" and len(stmt) >= 3 and _is_ident(stmt[-1]):
-        aliases[stmt[-1]] = list(stmt[1:-1])
+        name, target = stmt[-1], list(stmt[1:-1])
     elif (stmt[0] == "using" and len(stmt) >= 4 and _is_ident(stmt[1]) and stmt[2] == "="
           and stmt[1] != "namespace"):
-        aliases[stmt[1]] = list(stmt[3:])
+        name, target = stmt[1], list(stmt[3:])
+    else:
+        return
+    old = aliases.get(name, target)
+    aliases[name] = target if old == target else None
 
 
 def _parse_global(toks, start, g, scopes, filename):

@@ -315,6 +315,17 @@ def _make_param(index, toks, subst, aliases, struct_formats, kname):
             rep = subst.get(t) if subst else None
             if rep is None and t in aliases:
                 rep = aliases[t]
+                if rep is None:  # defined twice with different types
+                    p.fmt = "Q"
+                    p.name = None
+                    p.ctype = p.decl = t
+                    p.pointer, p.const, p.dtype = False, False, None
+                    p.what = f"{kname}: parameter #{index} ({raw})"
+                    p.problem = (f"parameter #{index} ({raw}): type {t!r} is defined more than "
+                                 "once with different types (#if branches or namespaces, which "
+                                 "the signature scanner does not evaluate); declare the "
+                                 f"signature with signatures={{'{kname}': '(...)'}}")
+                    return p
             if rep is not None:
                 new.extend(rep)
                 changed = True

@@ -399,6 +399,23 @@ def test_dtype_must_match_pointee():
         c.pack(FakeCAI((8,), "<f4"), FakeCAI((8,), "<c16"), FakeCAI((8,), "<c8"))
 
 
+def test_a_type_defined_by_preprocessor_branches_is_reported_not_guessed():
+    """The scanner does not run the preprocessor: both branches of #ifdef define `real`, and
+    the last one used to win (float, while -DUSE_DOUBLE compiled double): the kernel's use
+    now says to declare the signature, and signatures= makes it usable."""
+    src = ('#ifdef USE_DOUBLE\ntypedef double real;\n#else\ntypedef float real;\n#endif\n'
+           'extern "C" __global__ void axpy(real* y, const real* x, real a, int n) {}\n')
+    m = load_kernels(source=src, options=["-DUSE_DOUBLE"])
+    with pytest.raises(ValueError, match=r"type .real. is defined more than once.*signatures="):
+        m["axpy"].pack(FakeCAI((8,), "<f8"), FakeCAI((8,), "<f8"), 2.0, 8)
+    k = load_kernels(source=src, options=["-DUSE_DOUBLE"],
+                     signatures={"axpy": "(double* y, const double* x, double a, int n)"})["axpy"]
+    k.pack(FakeCAI((8,), "<f8"), FakeCAI((8,), "<f8"), 2.0, 8)
+    same = ('typedef float real;\ntypedef float real;\n'
+            'extern "C" __global__ void s(real* y, int n) {}\n')
+    load_kernels(source=same)["s"].pack(FakeCAI((8,), "<f4"), 8)  # a repeated equal alias
+
+
 def test_elementwise_kernel_refuses_pointers_it_cannot_count(sim):
     """ElementwiseKernel passes the arrays' element count: a pointee cupylab has no dtype for
     (float4, a struct, a pointer) would be indexed past the arrays' end."""
