@@ -62,10 +62,12 @@ def _check_combo(opname, plan, state_slots, master_slot):
         yield g, p, g_state, m
 
 
-def _opt(opname, plan, lr, found_inf, grad_scale):
-    lr_v, lr_p = F._scalar_or_device(opname, "lr", lr, plan)
-    fi = F.device_scalar(opname, "found_inf", found_inf, plan) if found_inf is not None else 0
-    gs = F.device_scalar(opname, "grad_scale", grad_scale, plan) if grad_scale is not None else 0
+def _opt(opname, plan, lr, found_inf, grad_scale, s):
+    lr_v, lr_p = F._scalar_or_device(opname, "lr", lr, plan, s)
+    fi = (F.device_scalar(opname, "found_inf", found_inf, plan, stream=s)
+          if found_inf is not None else 0)
+    gs = (F.device_scalar(opname, "grad_scale", grad_scale, plan, stream=s)
+          if grad_scale is not None else 0)
     return lr_v, lr_p, fi, gs
 
 
@@ -80,13 +82,13 @@ def adam_launch(opname, plan, s, *, lr, beta1, beta2, eps, weight_decay, step, a
     """Launch the Adam kernels for a resolved plan (slots: param, grad, exp_avg, exp_avg_sq,
     master). ``step``: a number (this update's step, >= 1) or a device float32 array."""
     with _launch.ensure_device(plan.device):
-        lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale)
+        lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale, s)
         if isinstance(step, (int, float)):
             if step < 1:
                 raise ValueError(f"{opname}: step must be >= 1 (got {step})")
             bc1, bc2s, st_p = 1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step), 0
         else:
-            bc1, bc2s, st_p = 1.0, 1.0, F.device_scalar(opname, "step", step, plan)
+            bc1, bc2s, st_p = 1.0, 1.0, F.device_scalar(opname, "step", step, plan, stream=s)
         args = F._args((lr_v, beta1, beta2, eps, weight_decay, bc1, bc2s, 1.0 if maximize else 0.0),
                        (lr_p, st_p, fi, gs))
         kern = {}
@@ -141,7 +143,7 @@ def sgd_launch(opname, plan, s, *, lr, momentum, dampening, weight_decay, nester
                first_step, found_inf, grad_scale):
     """Launch the SGD kernels for a resolved plan (slots: param, grad, buffer, master)."""
     with _launch.ensure_device(plan.device):
-        lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale)
+        lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale, s)
         args = F._args((lr_v, momentum, dampening, weight_decay, 1.0 if nesterov else 0.0,
                         1.0 if maximize else 0.0, 1.0 if first_step else 0.0), (lr_p, 0, fi, gs))
         kern = {}
@@ -187,7 +189,7 @@ def sgd_(params, grads, momentum_buffers=None, *, lr, momentum=0.0, dampening=0.
 def lion_launch(opname, plan, s, *, lr, beta1, beta2, weight_decay, maximize, found_inf,
                 grad_scale):
     with _launch.ensure_device(plan.device):
-        lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale)
+        lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale, s)
         args = F._args((lr_v, beta1, beta2, weight_decay, 1.0 if maximize else 0.0),
                        (lr_p, 0, fi, gs))
         kern = {}
@@ -224,7 +226,8 @@ def increment_step_(step, found_inf=None, *, stream=None):
     with _launch.ensure_device(plan.device):
         if plan.groups[0].sig[0] != "float32":
             raise TypeError(f"increment_step_: step must be float32 (got {plan.groups[0].sig[0]})")
-        fi = F.device_scalar("increment_step_", "found_inf", found_inf, plan) if found_inf is not None else 0
+        fi = (F.device_scalar("increment_step_", "found_inf", found_inf, plan, stream=s)
+              if found_inf is not None else 0)
         from . import _arrays  # noqa: PLC0415
 
         ptr = _arrays.as_view(step).ptr

@@ -553,3 +553,22 @@ def test_a_given_out_is_ordered_after_its_producer_like_the_inputs(sim):
     assert d.asked_stream == 0x5700
     with pytest.raises(TypeError, match="Cannot cast ufunc 'add' output from"):
         cupylab.add(x, x, out=FakeCAI((4,), "<i4", ptr=0x7F00_0000_4000))
+
+
+def test_device_scalars_are_ordered_after_their_producers(sim):
+    """lr, step, found_inf, scales: imported for the launch stream and waited on like the
+    lists' arrays (a found_inf still being written on its producer's stream was read early)."""
+    import types
+
+    from conftest import FakeDLPack
+    from cupylab.ops import multi_tensor as F
+
+    plan = types.SimpleNamespace(device=0)
+    cai = FakeCAI((1,), "<f4", ptr=0x7F00_0000_5000, stream=0x77)
+    assert F.device_scalar("op", "found_inf", cai, plan, stream=0x5700) == 0x7F00_0000_5000
+    assert (0x5700, 0x77) in sim["waits"]
+    d = FakeDLPack((1,), ptr=0x7F00_0000_6000)
+    F.device_scalar("op", "lr", d, plan, stream=0x5700)
+    assert d.asked_stream == 0x5700
+    with pytest.raises(TypeError, match="op: lr must be a one-element float32 GPU array"):
+        F.device_scalar("op", "lr", FakeCAI((2,), "<f4"), plan, stream=0x5700)

@@ -230,17 +230,22 @@ def resolve(opname, names, lists, writes, *, same_dtype=None, stream=None, inpla
     return r
 
 
-def device_scalar(opname, pname, a, plan, writable=False):
-    """The address of a one-element float32 device array (lr, step, found_inf, scale)."""
-    v = _arrays.as_view(a, f"{opname}: {pname}")
+def device_scalar(opname, pname, a, plan, writable=False, stream=None):
+    """The address of a one-element float32 device array (lr, step, found_inf, scale), read
+    by a launch on ``stream``: imported for that stream (DLPack) and ordered after the stream
+    a CUDA Array Interface v3 producer names, like the lists' arrays."""
+    v = _arrays.as_view(a, f"{opname}: {pname}", stream)
     if v.dtype.name != "float32" or v.size != 1:
         raise TypeError(f"{opname}: {pname} must be a one-element float32 GPU array (got "
                         f"dtype {v.dtype.name}, shape {v.shape})")
     if writable and v.readonly:
         raise ValueError(f"{opname}: {pname} is read-only; pass a writable array")
-    if v.device is not None and v.device != plan.device:
-        raise ValueError(f"{opname}: {pname} is on cuda:{v.device} but the lists are on "
+    dev = _arrays.resolve_device(v, plan.device)
+    if dev != plan.device:
+        raise ValueError(f"{opname}: {pname} is on cuda:{dev} but the lists are on "
                          f"cuda:{plan.device}")
+    if v.stream is not None and stream is not None:
+        _launch.wait_for(stream, v.stream, plan.device)
     return v.ptr
 
 
@@ -248,11 +253,11 @@ def _is_scalar(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _scalar_or_device(opname, pname, x, plan):
+def _scalar_or_device(opname, pname, x, plan, stream=None):
     """(host value, device pointer) for a Python number or a one-element float32 array."""
     if _is_scalar(x):
         return float(x), 0
-    return 0.0, device_scalar(opname, pname, x, plan)
+    return 0.0, device_scalar(opname, pname, x, plan, stream=stream)
 
 
 def _args(s=(), p=()):
@@ -376,7 +381,7 @@ def scale_(tensors, factor, *, stream=None):
     if plan is None:
         return None
     with _launch.ensure_device(plan.device):
-        ptr = device_scalar("foreach.scale_", "factor", factor, plan)
+        ptr = device_scalar("foreach.scale_", "factor", factor, plan, stream=s)
         P.launch(plan, _ew_kernel("mul_scalar", True), _args((0.0,), (ptr,)), s)
     return None
 
@@ -548,7 +553,8 @@ def _found_inf(opname, plan, found_inf, s, stream):
         ptr = _arrays.as_view(found_inf).ptr
         _runtime.cupy().cuda.runtime.memsetAsync(ptr, 0, 4, s)
         return found_inf, ptr
-    return found_inf, device_scalar(opname, "found_inf", found_inf, plan, writable=True)
+    return found_inf, device_scalar(opname, "found_inf", found_inf, plan, writable=True,
+                                    stream=s)
 
 
 def _result_dtype_f32():
@@ -581,7 +587,7 @@ def unscale_(tensors, inv_scale, found_inf=None, *, stream=None):
     if plan is None:
         return found_inf
     with _launch.ensure_device(plan.device):
-        val, iptr = _scalar_or_device("foreach.unscale_", "inv_scale", inv_scale, plan)
+        val, iptr = _scalar_or_device("foreach.unscale_", "inv_scale", inv_scale, plan, s)
         found_inf, fptr = _found_inf("foreach.unscale_", plan, found_inf, s, stream)
         P.launch(plan, lambda sig: P.kernel("foreach", P.unscale_name(sig[0], False)),
                  _args((val,), (iptr, 0, fptr)), s)
