@@ -26,13 +26,17 @@ def resolve_stream(stream) -> int:
     """A stream handle from ``stream=``: an int (``cudaStream_t``; 0 = legacy default), a CuPy
     ``Stream`` (``.ptr``), a torch ``Stream`` (``.cuda_stream``), or any object with the
     ``__cuda_stream__`` protocol (``(version, handle)``)."""
-    if isinstance(stream, int):
+    if isinstance(stream, int) and not isinstance(stream, bool):
         if stream < 0:
             raise ValueError(f"stream must be a non-negative stream handle (got {stream})")
         return stream
     proto = getattr(stream, "__cuda_stream__", None)
     if proto is not None:
         return int(proto()[1])
+    # objects that carry a handle but are not streams (events, memory pointers, bools)
+    tname = type(stream).__qualname__
+    if isinstance(stream, bool) or "Event" in tname or "Memory" in tname or "Pointer" in tname:
+        raise TypeError(f"stream must be a stream (got {type(stream).__module__}.{tname})")
     for attr in ("cuda_stream", "ptr", "handle"):
         v = getattr(stream, attr, None)
         if isinstance(v, int):

@@ -572,3 +572,18 @@ def test_device_scalars_are_ordered_after_their_producers(sim):
     assert d.asked_stream == 0x5700
     with pytest.raises(TypeError, match="op: lr must be a one-element float32 GPU array"):
         F.device_scalar("op", "lr", FakeCAI((2,), "<f4"), plan, stream=0x5700)
+
+
+def test_stream_argument_refuses_objects_that_are_not_streams():
+    from cupylab import _launch
+
+    class Event:
+        ptr = 0x1234
+
+    class MemoryPointer:
+        ptr = 0x7F00_0000_0000
+
+    for bad in (True, Event(), MemoryPointer()):
+        with pytest.raises(TypeError, match="stream must be a stream"):
+            _launch.resolve_stream(bad)
+    assert _launch.resolve_stream(7) == 7
