@@ -71,9 +71,16 @@ def _opt(opname, plan, lr, found_inf, grad_scale, s):
     return lr_v, lr_p, fi, gs
 
 
+def _finite(v):
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def _check_pos(opname, **kw):
     for k, v in kw.items():
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not _finite(v) or v < 0:
             raise ValueError(f"{opname}: {k} must be a finite number >= 0 (got {v!r})")
 
 
@@ -84,8 +91,8 @@ def adam_launch(opname, plan, s, *, lr, beta1, beta2, eps, weight_decay, step, a
     with _launch.ensure_device(plan.device):
         lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale, s)
         if isinstance(step, (int, float)):
-            if step < 1:
-                raise ValueError(f"{opname}: step must be >= 1 (got {step})")
+            if not (_finite(step) and step >= 1):
+                raise ValueError(f"{opname}: step must be a finite number >= 1 (got {step})")
             bc1, bc2s, st_p = 1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step), 0
         else:
             bc1, bc2s, st_p = 1.0, 1.0, F.device_scalar(opname, "step", step, plan, stream=s)

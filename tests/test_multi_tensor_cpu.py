@@ -122,6 +122,11 @@ def test_argument_errors_before_the_gpu():
         optim.sgd_([a], [b], [a], lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)
     with pytest.raises(ValueError, match="beta1 must be a finite number"):
         optim.adam_([a], [b], [a], [b], lr=0.1, step=1, beta1=-1)
+    with pytest.raises(ValueError, match="beta1 must be a finite number"):  # not OverflowError
+        optim.adam_([a], [b], [a], [b], lr=0.1, step=1, beta1=10**400)
+    for bad in (float("nan"), float("inf"), 10**400):  # lr, scales: NaN made every param NaN
+        with pytest.raises(ValueError, match="adam_: lr must be a finite number"):
+            F._scalar_or_device("adam_", "lr", bad, None)
 
 
 def test_mixed_frameworks_refused_before_the_gpu():

@@ -15,6 +15,8 @@ call. Empty lists are a no-op; empty arrays are skipped.
 """
 from __future__ import annotations
 
+import math
+
 import sys
 
 from .. import _arrays, _launch, _runtime
@@ -256,7 +258,13 @@ def _is_scalar(x):
 def _scalar_or_device(opname, pname, x, plan, stream=None):
     """(host value, device pointer) for a Python number or a one-element float32 array."""
     if _is_scalar(x):
-        return float(x), 0
+        try:
+            v = float(x)
+        except OverflowError:
+            v = math.inf
+        if not math.isfinite(v):
+            raise ValueError(f"{opname}: {pname} must be a finite number (got {x!r})")
+        return v, 0
     return 0.0, device_scalar(opname, pname, x, plan, stream=stream)
 
 
