@@ -34,11 +34,17 @@ UFUNCS = {"add": "add", "subtract": "subtract", "multiply": "multiply",
 _cache: dict = {}
 
 
+_WEAK_KIND = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
+
+
 def operand_key(v, view):
     """The cache key of one operand (see the module docstring). Subclasses of Python numbers
     (an IntEnum, a float subclass) are strong, as NumPy takes them: int64, float64,
     complex128."""
     if view is not None:
+        if not view.shape and getattr(v, "weak_type", False) is True:
+            # a weakly typed JAX scalar (jnp.asarray(2.0)) promotes like a Python number
+            return ("w", _WEAK_KIND[view.dtype.kind])
         return ("a", view.dtype.name, not view.shape)
     t = type(v)
     if t is bool:
@@ -72,7 +78,8 @@ def resolve(rule, op, keys, dtype=None, out=None, casting="same_kind"):
     """
     # torch's default dtype decides its results for integer true division and for Python
     # floats and complexes with integer tensors: part of every torch key
-    ck = (rule, op, keys, dtype, out, casting, _torch_default() if rule == "torch" else None)
+    ck = (rule, op, keys, dtype, out, casting, _torch_default() if rule == "torch" else
+          _jax_mode() if rule == "jax" else None)
     r = _cache.get(ck)
     if r is None:
         try:
@@ -153,6 +160,16 @@ def _numpy(op, keys, dtype, out, casting):
         raise TypeError(f"Cannot cast ufunc '{name}' output from {_np_dtype(np, ct.name)!r} to "
                         f"{_np_dtype(np, out.name)!r} with casting rule '{casting}'")
     return ct, ct
+
+
+def _jax_mode():
+    """JAX's settings that change its answers: 64-bit types and the promotion mode."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    cfg = jax.config
+    return (getattr(cfg, "jax_enable_x64", None),
+            getattr(cfg, "jax_numpy_dtype_promotion", None))
 
 
 # -- torch ------------------------------------------------------------------------------------

@@ -587,3 +587,21 @@ def test_stream_argument_refuses_objects_that_are_not_streams():
         with pytest.raises(TypeError, match="stream must be a stream"):
             _launch.resolve_stream(bad)
     assert _launch.resolve_stream(7) == 7
+
+
+def test_weakly_typed_jax_scalars_promote_like_python_numbers():
+    """jnp.asarray(2.0) is weakly typed: JAX promotes it like a Python float (a bfloat16
+    array stays bfloat16); its key must say so, not 'a 0-d float32 array'."""
+    from cupylab import _dtypes, _promotion
+
+    class WeakScalar:
+        weak_type = True
+
+    class StrongScalar:
+        weak_type = False
+
+    v = View(0x1000, (), (), _dtypes.from_name("float32"), 0, True, None, "jax", None)
+    assert _promotion.operand_key(WeakScalar(), v) == ("w", "float")
+    assert _promotion.operand_key(StrongScalar(), v) == ("a", "float32", True)
+    vi = View(0x1000, (), (), _dtypes.from_name("int32"), 0, True, None, "jax", None)
+    assert _promotion.operand_key(WeakScalar(), vi) == ("w", "int")
