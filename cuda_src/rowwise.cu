@@ -444,8 +444,10 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
             A mean = A(0);
             if constexpr (OP == OP_LN) {
-                // the mean shifted by the row's first element: a constant row's is exact, so
-                // x - mean is 0 there and y the bias, as torch's mean gives
+                // a first mean shifted by the row's first element: a constant row's is exact,
+                // so x - mean is 0 there and y the bias, as torch's mean gives; the variance
+                // pass below corrects it by the mean of x - mean (an outlier first element
+                // would otherwise cost the shifted sum its accuracy)
                 const A x0 = active ? to_acc(x[0]) : A(0);
                 A s1 = A(0);
 #pragma unroll
@@ -464,7 +466,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 }
                 mean = x0 + group_reduce<TPR, C, 0, THREADS>(s1, SumOp()) / (A)cols;
             }
-            A s2 = A(0);
+            A s2 = A(0), sd = A(0);  // sums of d * d and (layer_norm) of d
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 A f[V];
@@ -475,16 +477,28 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     for (int k = 0; k < V; ++k) {
                         A d = f[k] - mean;
                         s2 += d * d;
+                        if constexpr (OP == OP_LN) sd += d;
                     }
                 } else {
 #pragma unroll
                     for (int k = 0; k < V; ++k) {
                         A d = ((unsigned)(e0 + k) < (unsigned)cols) ? f[k] - mean : A(0);
                         s2 += d * d;
+                        sd += d;
                     }
                 }
             }
-            s2 = group_reduce<TPR, C, 1, THREADS>(s2, SumOp());
+            if constexpr (OP == OP_LN) {  // one reduction of both sums (no extra barrier)
+                Sum2<A> acc;
+                acc.a = sd;
+                acc.b = s2;
+                acc = group_reduce<TPR, C, 1, THREADS>(acc, SumOp());
+                const A dm = acc.a * n_inv;
+                mean += dm;
+                s2 = fmax(acc.b - acc.a * dm, A(0));  // sum of (x - mean)^2 about the new mean
+            } else {
+                s2 = group_reduce<TPR, C, 1, THREADS>(s2, SumOp());
+            }
             const A rstd = rsqrt_acc(s2 * n_inv + (A)p.eps);
             if (stat_thread) {
                 if (p.st0) reinterpret_cast<A*>(p.st0)[row] = mean;
@@ -727,18 +741,29 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
                 cs = c3;
             }
             A mean = A(0);
-            if constexpr (OP == OP_LN) {  // shifted by the first element, as row_reg
+            if constexpr (OP == OP_LN) {  // shifted by the first element, then corrected, as row_reg
                 const A x0 = to_acc(src[0]);
                 A s1 = A(0);
                 for (i64 c = threadIdx.x; c < cols; c += GT) s1 += to_acc(src[c * cs]) - x0;
                 mean = x0 + group_reduce<GT, 1, 0>(s1, SumOp()) / (A)cols;
             }
-            A s2 = A(0);
+            A s2 = A(0), sd = A(0);
             for (i64 c = threadIdx.x; c < cols; c += GT) {
                 A d = to_acc(src[c * cs]) - mean;
                 s2 += d * d;
+                if constexpr (OP == OP_LN) sd += d;
             }
-            s2 = group_reduce<GT, 1, 1>(s2, SumOp());
+            if constexpr (OP == OP_LN) {
+                Sum2<A> acc;
+                acc.a = sd;
+                acc.b = s2;
+                acc = group_reduce<GT, 1, 1>(acc, SumOp());
+                const A dm = acc.a * n_inv;
+                mean += dm;
+                s2 = fmax(acc.b - acc.a * dm, A(0));
+            } else {
+                s2 = group_reduce<GT, 1, 1>(s2, SumOp());
+            }
             const A rstd = rsqrt_acc(s2 * n_inv + (A)p.eps);
             if (stat_thread) {
                 if (p.st0) reinterpret_cast<A*>(p.st0)[row] = mean;

@@ -196,6 +196,21 @@ def test_layer_norm_constant_rows(cols):
         np.testing.assert_array_equal(to_host(yg).astype(np.float64), want)
 
 
+@pytest.mark.parametrize("cols", [4096, 65536])
+def test_layer_norm_with_an_outlier_first_element(cols):
+    """The mean is shifted by the row's first element and then corrected: an outlier there
+    (1e4 in a standard-normal row) must not cost the mean and y their float32 accuracy."""
+    rng = np.random.default_rng(cols + 1)
+    h = rng.standard_normal((3, cols)).astype(np.float32)
+    h[:, 0] = 1e4
+    # the register (or cluster) kernel, then the generic one (a strided last axis)
+    for x in (cupy_from_host(h), cupy_from_host(np.repeat(h, 2, axis=1))[:, ::2]):
+        y, mean, _ = cupylab.layer_norm(x, None, None, return_stats=True)
+        ref_y, ref_mean, _ = R.ROWWISE_REFERENCES["layer_norm"](h, None, None, 1e-5)
+        np.testing.assert_allclose(to_host(mean), ref_mean, rtol=1e-6, atol=1e-6)
+        check(y, ref_y, "float32", 1, "layer_norm outlier")
+
+
 def test_leading_shapes_and_torch_stream():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)
