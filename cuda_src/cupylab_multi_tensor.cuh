@@ -39,9 +39,20 @@ __device__ __forceinline__ C ld1(const char* b, long long i) {
     return (C)to_acc<T>(reinterpret_cast<const T*>(b)[i]);
 }
 
+// A value of the computation type C stored as T, rounded once (a double goes to a 16-bit
+// type directly, not through float: that rounded twice).
+template <typename T, typename C>
+__device__ __forceinline__ T store_as(C v) {
+    if constexpr (IsSame<C, double>::value) {
+        return Narrow<T>::run(v);
+    } else {
+        return from_acc<T>((typename Acc<T>::type)v);
+    }
+}
+
 template <typename T, typename C>
 __device__ __forceinline__ void st1(char* b, long long i, C v) {
-    reinterpret_cast<T*>(b)[i] = from_acc<T>((typename Acc<T>::type)v);
+    reinterpret_cast<T*>(b)[i] = store_as<T, C>(v);
 }
 
 template <typename T, typename C>
@@ -55,7 +66,7 @@ template <typename T, typename C>
 __device__ __forceinline__ void st4(char* b, long long i, const C* in) {
     Vec<T, 4> w;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) w.v[j] = from_acc<T>((typename Acc<T>::type)in[j]);
+    for (int j = 0; j < 4; ++j) w.v[j] = store_as<T, C>(in[j]);
     *reinterpret_cast<Vec<T, 4>*>(reinterpret_cast<T*>(b) + i) = w;
 }
 

@@ -50,7 +50,7 @@ struct Ew : OpBase {
         else if (OP == EW_ADD_SCALAR) r = x + s;
         else if (OP == EW_MUL) r = x * y;
         else if (OP == EW_MUL_SCALAR) r = x * s;
-        else if (OP == EW_LERP) r = s < C(0.5) ? x + s * (y - x) : y - (y - x) * (C(1) - s);
+        else if (OP == EW_LERP) r = fabs(s) < C(0.5) ? x + s * (y - x) : y - (y - x) * (C(1) - s);
         else r = C(0);
         v[0] = r;
     }
@@ -97,13 +97,16 @@ struct Unscale : OpBase {
 // nonzero skips the whole step), p[3] grad scale (device float32: grads are divided by it).
 template <typename C>
 struct StepCommon {
-    C lr, inv_gs;
+    C lr, gs;  // gs: the gradient scale, 0 when none; gradients are divided by it, as torch
     __device__ __forceinline__ bool common(const Args& a) {
         if (a.p[2] && *reinterpret_cast<const float*>(a.p[2]) != 0.0f) return false;
         lr = dev_scalar<C>(a.p[0], a.s[0]);
-        inv_gs = a.p[3] ? C(1) / (C)*reinterpret_cast<const float*>(a.p[3]) : C(1);
+        gs = a.p[3] ? (C)*reinterpret_cast<const float*>(a.p[3]) : C(0);
         return true;
     }
+    // the gradient unscaled: a division (not a multiplication by 1/gs, which is 1 ulp off for
+    // scales that are not powers of two), skipped without a scale (a uniform branch)
+    __device__ __forceinline__ C unscale(C g) const { return gs != C(0) ? g / gs : g; }
 };
 
 // Adam / AdamW (torch's fused math, in float). Slots: 0 param (P), 1 grad (P), 2 exp_avg (S),
@@ -120,7 +123,7 @@ struct Adam : OpBase, StepCommon<typename Comp<P>::type> {
     typedef typename Comp<P>::type C;
     typedef StepCommon<C> Base;
     using Base::lr;
-    using Base::inv_gs;
+    using Base::gs;
     using Base::common;
     static constexpr int NL = 5;
     static constexpr unsigned READ = MASTER ? 0x1Eu : 0x0Fu;
@@ -150,7 +153,7 @@ struct Adam : OpBase, StepCommon<typename Comp<P>::type> {
     }
     __device__ __forceinline__ void operator()(C (&v)[5]) const {
         C p = MASTER ? v[4] : v[0];
-        C g = v[1] * inv_gs;
+        C g = Base::unscale(v[1]);
         if (maximize) g = -g;
         if (wd != 0.0f) {
             if (ADAMW) p -= lr * wd * p;
@@ -178,7 +181,7 @@ struct Sgd : OpBase, StepCommon<typename Comp<P>::type> {
     typedef typename Comp<P>::type C;
     typedef StepCommon<C> Base;
     using Base::lr;
-    using Base::inv_gs;
+    using Base::gs;
     using Base::common;
     static constexpr int NL = 4;
     static constexpr unsigned READ = 0x2u | (MOM ? 0x4u : 0u) | (MASTER ? 0x8u : 0x1u);
@@ -197,7 +200,7 @@ struct Sgd : OpBase, StepCommon<typename Comp<P>::type> {
     }
     __device__ __forceinline__ void operator()(C (&v)[5]) const {
         C p = MASTER ? v[3] : v[0];
-        C g = v[1] * inv_gs;
+        C g = Base::unscale(v[1]);
         if (maximize) g = -g;
         if (wd != 0.0f) g += wd * p;
         if (MOM) {
@@ -222,7 +225,7 @@ struct Lion : OpBase, StepCommon<typename Comp<P>::type> {
     typedef typename Comp<P>::type C;
     typedef StepCommon<C> Base;
     using Base::lr;
-    using Base::inv_gs;
+    using Base::gs;
     using Base::common;
     static constexpr int NL = 4;
     static constexpr unsigned READ = 0x6u | (MASTER ? 0x8u : 0x1u);
@@ -239,7 +242,7 @@ struct Lion : OpBase, StepCommon<typename Comp<P>::type> {
     }
     __device__ __forceinline__ void operator()(C (&v)[5]) const {
         C p = MASTER ? v[3] : v[0];
-        C g = v[1] * inv_gs;
+        C g = Base::unscale(v[1]);
         if (maximize) g = -g;
         const C c = b1 * v[2] + (1.0f - b1) * g;
         const C u = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);

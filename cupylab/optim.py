@@ -49,8 +49,10 @@ def _check_combo(opname, plan, state_slots, master_slot):
         if len(states) > 1:
             raise TypeError(f"{opname}: the state arrays of one parameter have different "
                             f"dtypes {sorted(states)}")
-        s = states.pop() if states else p
         m = g.sig[master_slot] is not None
+        # no state list (SGD without momentum): the kernel's state type is float32 with
+        # master copies, else the param's
+        s = states.pop() if states else ("float32" if m else p)
         if m and g.sig[master_slot] != "float32":
             raise TypeError(f"{opname}: master_params must be float32 (got {g.sig[master_slot]})")
         if (p, s, m) not in _COMBOS:
@@ -82,6 +84,21 @@ def _check_pos(opname, **kw):
     for k, v in kw.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not _finite(v) or v < 0:
             raise ValueError(f"{opname}: {k} must be a finite number >= 0 (got {v!r})")
+
+
+def _check_betas(opname, **kw):
+    """Betas in [0, 1), as torch requires (beta2 = 1 makes every Adam update 0/0)."""
+    _check_pos(opname, **kw)
+    for k, v in kw.items():
+        if not v < 1:
+            raise ValueError(f"{opname}: {k} must be < 1 (got {v!r})")
+
+
+def _check_lr(opname, lr):
+    """A number lr: finite and >= 0 (torch refuses a negative one); a device array is read by
+    the kernel as it is."""
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        _check_pos(opname, lr=lr)
 
 
 def adam_launch(opname, plan, s, *, lr, beta1, beta2, eps, weight_decay, step, adamw,
@@ -125,7 +142,9 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta2=0.
         See the module docstring.
     """
     name = "adamw_" if adamw else "adam_"
-    _check_pos(name, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    _check_pos(name, eps=eps, weight_decay=weight_decay)
+    _check_betas(name, beta1=beta1, beta2=beta2)
+    _check_lr(name, lr)
     lists = [params, grads, exp_avgs, exp_avg_sqs, master_params]
     writes = 0b1101 | (0b10000 if master_params is not None else 0)
     plan, s = F.resolve(name, ["params", "grads", "exp_avgs", "exp_avg_sqs", "master_params"],
@@ -178,6 +197,7 @@ def sgd_(params, grads, momentum_buffers=None, *, lr, momentum=0.0, dampening=0.
         See the module docstring.
     """
     _check_pos("sgd_", momentum=momentum, dampening=dampening, weight_decay=weight_decay)
+    _check_lr("sgd_", lr)
     if momentum and momentum_buffers is None:
         raise ValueError("sgd_: momentum_buffers are required when momentum is nonzero")
     if nesterov and (momentum <= 0 or dampening != 0):
@@ -210,7 +230,9 @@ def lion_(params, grads, exp_avgs, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.
     """One Lion step (Chen et al., 2023: ``p -= lr * (sign(beta1 * m + (1 - beta1) * g) +
     weight_decay * p)``, then ``m = beta2 * m + (1 - beta2) * g``) over lists, in place.
     See the module docstring for the common parameters."""
-    _check_pos("lion_", beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    _check_pos("lion_", weight_decay=weight_decay)
+    _check_betas("lion_", beta1=beta1, beta2=beta2)
+    _check_lr("lion_", lr)
     lists = [params, grads, exp_avgs, master_params]
     writes = 0b101 | (0b1000 if master_params is not None else 0)
     plan, s = F.resolve("lion_", ["params", "grads", "exp_avgs", "master_params"], lists, writes,

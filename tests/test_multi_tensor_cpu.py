@@ -487,3 +487,28 @@ def test_a_stream_argument_uses_the_cache_too(monkeypatch):
     _, s = F.resolve("foreach.scale_", ["tensors"], [objs], 1)
     assert s == 0x5700 and streams == [0x99, 0x5700] and built == [0x99]
     P.cache_clear()
+
+
+def test_optimizer_argument_rules_found_by_review(monkeypatch):
+    """SGD with master weights and no momentum (no state list) uses float32 states (it was
+    refused); betas must be < 1 and lr >= 0 as torch requires (beta2 = 1 gave NaN); axpy_ with
+    a number x adds alpha * x (alpha was dropped)."""
+    import types
+
+    from cupylab import optim as O
+
+    plan = types.SimpleNamespace(groups=[types.SimpleNamespace(
+        sig=("bfloat16", "bfloat16", None, "float32"))])
+    assert list(O._check_combo("sgd_", plan, (2,), 3))[0][1:] == ("bfloat16", "float32", True)
+    a, b = FakeCAI((3,)), FakeCAI((3,))
+    with pytest.raises(ValueError, match="adam_: beta2 must be < 1"):
+        optim.adam_([a], [b], [a], [b], lr=0.1, step=1, beta2=1.0)
+    with pytest.raises(ValueError, match="lion_: beta1 must be < 1"):
+        optim.lion_([a], [b], [a], lr=0.1, beta1=1.5)
+    with pytest.raises(ValueError, match="sgd_: lr must be a finite number >= 0"):
+        optim.sgd_([a], [b], lr=-0.1)
+    seen = []
+    monkeypatch.setattr(F, "_binary", lambda *args: seen.append(args))
+    foreach.axpy_(2.0, 3.0, [a])
+    foreach.axpy_(2.0, [b], [a])
+    assert seen[0][2] == 6.0 and seen[1][2] == [b]

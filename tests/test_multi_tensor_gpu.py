@@ -520,3 +520,31 @@ def test_a_new_list_during_capture_is_refused_clearly():
             s.end_capture()
     foreach.scale_(xs, 2.0)  # outside capture it is set up as usual
     assert all(bool((x == 2).all()) for x in xs)
+
+
+def test_lerp_copy_and_unscale_round_as_the_references_do():
+    """lerp switches formula on |weight| < 0.5 as torch (it tested weight < 0.5: 1 ulp off for
+    negative weights, -inf for NaN at lerp(1, inf, -1)); copy_ from float64 to 16 bits rounds
+    once, as NumPy (it went through float32); the optimizers divide by grad_scale (a
+    multiplication by its reciprocal is 1 ulp off for scales that are not powers of two)."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator(device="cuda").manual_seed(21)
+    x = torch.randn(100_003, generator=g, device="cuda")
+    y = torch.randn(100_003, generator=g, device="cuda")
+    for w in (-2.5, -0.4, 0.3, 0.7):
+        out = foreach.lerp([x], [y], w)[0]
+        assert torch.equal(out, torch.lerp(x, y, w)), w
+    h = np.array([1.0004882812509095, 1.0039062500009095, -3.14159265358979, 65519.9999],
+                 dtype=np.float64)
+    # float16: NumPy rounds float64 once; bfloat16: the nearest values, by hand (torch and
+    # a cast through float32 give 1.0 for the second, which lies just above a midpoint)
+    bf16 = torch.tensor([1.0, 1.0078125, -3.140625, 65536.0], dtype=torch.bfloat16)
+    for name, want in (("float16", torch.from_numpy(h.astype(np.float16))), ("bfloat16", bf16)):
+        dst = torch.empty(4, device="cuda", dtype=getattr(torch, name))
+        foreach.copy_([dst], [torch.from_numpy(h).cuda()])
+        assert torch.equal(dst.cpu(), want), name
+    # p = 0, lr = 1: the step leaves exactly -(grad / grad_scale) in p
+    p = torch.zeros(4099, device="cuda")
+    gr = torch.randn(4099, generator=g, device="cuda") * 3
+    optim.sgd_([p], [gr], lr=1.0, grad_scale=torch.tensor([3.0], device="cuda"))
+    assert torch.equal(p, -(gr / 3.0))

@@ -364,7 +364,12 @@ def add(tensors, other, *, alpha=1.0, out=None, stream=None):
 
 
 def axpy_(alpha, x, y, *, stream=None):
-    """BLAS axpy over lists: ``y[i] += alpha * x[i]`` in one launch. See :func:`add_`."""
+    """BLAS axpy over lists: ``y[i] += alpha * x[i]`` in one launch; ``x`` a list, or a
+    number (then ``y[i] += alpha * x``). See :func:`add_`."""
+    if _is_scalar(x):  # a number: alpha * x is the scalar added (alpha was dropped)
+        if not _is_scalar(alpha):
+            raise TypeError(f"foreach.axpy_: alpha must be a Python number (got {alpha!r})")
+        x = alpha * x
     _binary("foreach.axpy_", y, x, None, stream, "add", "add_scalar", alpha)
 
 
