@@ -683,7 +683,8 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
                 A v = to_acc(x[c * c0]);
                 sx += v;
                 if (v > ms.m) {
-                    ms.s = (ms.m == neg_inf<A>() ? A(0) : ms.s * exp_row<T>(ms.m - v));
+                    // with the max still -inf the sum is 0, or NaN from a NaN seen: kept
+                    if (!(ms.m == neg_inf<A>())) ms.s *= exp_row<T>(ms.m - v);
                     ms.m = v;
                 }
                 if (!(v == neg_inf<A>())) ms.s += exp_row<T>(v - ms.m);

@@ -211,6 +211,23 @@ def test_layer_norm_with_an_outlier_first_element(cols):
         check(y, ref_y, "float32", 1, "layer_norm outlier")
 
 
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "cross_entropy"])
+def test_a_nan_early_in_a_row_makes_the_generic_kernels_row_nan(op):
+    """The generic kernel's per-thread running sum was reset when its first value above -inf
+    came after a NaN, so the NaN was lost (a NaN logit hidden from the loss). A strided last
+    axis takes that kernel."""
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((2, 2048)).astype(np.float32)
+    h[0, 0] = np.nan
+    h[1, 0], h[1, 512] = -np.inf, np.nan
+    x = cupy_from_host(np.repeat(h, 2, axis=1))[:, ::2]
+    if op == "cross_entropy":
+        loss = cupylab.cross_entropy(x, cupy_from_host(np.array([3, 7])), reduction="none")
+        assert np.isnan(to_host(loss)).all()
+    else:
+        assert np.isnan(to_host(getattr(cupylab, op)(x))).all()
+
+
 def test_leading_shapes_and_torch_stream():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)
