@@ -381,26 +381,29 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 }
             } else {  // cross-entropy
                 const A eps = (A)p.smooth;
-                A sx = A(0);
-                if (eps > A(0)) {  // sum of the logits (label smoothing): masked, rarely used
+                A sx = A(0);  // sum of x - max (label smoothing): masked, rarely used
+                if (eps > A(0)) {
 #pragma unroll
                     for (int j = 0; j < NV; ++j) {
                         A f[V];
                         unpack<T, V>(a[j], f);
 #pragma unroll
                         for (int k = 0; k < V; ++k)
-                            if (CL_VALID(j, k)) sx += f[k];
+                            if (CL_VALID(j, k)) sx += f[k] - ms.m;
                     }
                     sx = group_reduce<TPR, C, 2, THREADS>(sx, SumOp());
                 }
-                const A lse = ms.m + log_acc(ms.s);
+                const A ls = log_acc(ms.s);
+                const A lse = ms.m + ls;
                 if (stat_thread) {
+                    // from x - max and log(sum), not from the rounded lse: a confident row's
+                    // loss (log(sum) below half an ulp of max) would round to 0
                     A loss;
                     if (ignored) loss = A(0);
                     else if (bad) loss = quiet_nan<A>();
                     else {
-                        loss = (A(1) - eps) * (lse - xt);
-                        if (eps > A(0)) loss += eps * (lse - sx * n_inv);
+                        loss = (A(1) - eps) * (ls - (xt - ms.m));
+                        if (eps > A(0)) loss += eps * (ls - sx * n_inv);
                     }
                     reinterpret_cast<A*>(p.loss)[row] = loss;
                     if (p.st0) reinterpret_cast<A*>(p.st0)[row] = lse;
@@ -701,14 +704,15 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
             } else {
                 const A eps = (A)p.smooth;
                 if (eps > A(0)) sx = group_reduce<GT, 1, 1>(sx, SumOp());
-                const A lse = ms.m + log_acc(ms.s);
-                if (stat_thread) {
+                const A ls = log_acc(ms.s);
+                const A lse = ms.m + ls;
+                if (stat_thread) {  // from x - max and log(sum), as row_reg
                     A loss;
                     if (ignored) loss = A(0);
                     else if (bad) loss = quiet_nan<A>();
                     else {
-                        loss = (A(1) - eps) * (lse - xt);
-                        if (eps > A(0)) loss += eps * (lse - sx * n_inv);
+                        loss = (A(1) - eps) * (ls - (xt - ms.m));
+                        if (eps > A(0)) loss += eps * (ls - (sx * n_inv - ms.m));
                     }
                     reinterpret_cast<A*>(p.loss)[row] = loss;
                     if (p.st0) reinterpret_cast<A*>(p.st0)[row] = lse;

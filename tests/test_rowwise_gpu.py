@@ -228,6 +228,22 @@ def test_a_nan_early_in_a_row_makes_the_generic_kernels_row_nan(op):
         assert np.isnan(to_host(getattr(cupylab, op)(x))).all()
 
 
+def test_cross_entropy_of_a_confident_row_is_not_rounded_to_zero():
+    """The loss is formed from x - max and log(sum), not from the rounded logsumexp: a
+    target logit far above the rest (loss about 7e-7) came out exactly 0 in float32."""
+    rng = np.random.default_rng(5)
+    h = rng.standard_normal((4, 32000)).astype(np.float32)
+    t = np.array([11, 12, 13, 14])
+    h[np.arange(4), t] = 25.0
+    for smooth in (0.0, 0.1):
+        got = to_host(cupylab.cross_entropy(cupy_from_host(h), cupy_from_host(t),
+                                            label_smoothing=smooth, reduction="none"))
+        ref = R.ROWWISE_REFERENCES["cross_entropy"](h, t, -100, smooth)[0]
+        # float32's sum of exp near 1 keeps about two digits of log(sum) (torch's too)
+        np.testing.assert_allclose(got, ref, rtol=5e-2 if smooth == 0 else 1e-5)
+        assert (got > 0).all()
+
+
 def test_leading_shapes_and_torch_stream():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)
