@@ -516,8 +516,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
                 unpack<T, V>(a[j], f);
                 if constexpr (OP == OP_LN) {  // the rms norms have no bias
-                    A bv[V];
-                    load_wslot<T, V>(bv, p, p.b, e0, cols, A(0));
+                    A bv[V];  // no bias: -0, which adds nothing (a -0 result stays -0, as torch)
+                    load_wslot<T, V>(bv, p, p.b, e0, cols, -A(0));
 #pragma unroll
                     for (int k = 0; k < V; ++k) f[k] = (f[k] - mean) * rstd * wv[k] + bv[k];
                 } else {
@@ -778,7 +778,7 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
                 const A wc = load_w<T>(p, p.w, c, A(1));
                 if constexpr (OP == OP_LN)
                     y[c * c2] = from_acc<T>((to_acc(src[c * cs]) - mean) * rstd * wc +
-                                            load_w<T>(p, p.b, c, A(0)));
+                                            load_w<T>(p, p.b, c, -A(0)));  // as row_reg
                 else  // the rms norms: no mean, no bias (as row_reg: -0 stays -0, as in torch)
                     y[c * c2] = from_acc<T>(to_acc(src[c * cs]) * rstd * wc);
             }

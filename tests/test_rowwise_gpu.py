@@ -175,6 +175,16 @@ def test_rms_norm_keeps_negative_zero(rows, cols, dt):
     check(y, ref, dt, 2, "rms_norm")
 
 
+def test_layer_norm_without_a_bias_keeps_negative_zero():
+    """No bias adds nothing (torch skips the add): a -0 result stays -0, in the register and
+    generic kernels (a +0 bias made it +0)."""
+    for dt in FLOATS:
+        h = np.full((3, 1000), -0.0).astype(np_dtype(dt))
+        for x in (cupy_from_host(h), cupy_from_host(np.repeat(h, 2, axis=1))[:, ::2]):
+            y = to_host(cupylab.layer_norm(x)).astype(np.float64)
+            assert np.all(y == 0) and np.all(np.signbit(y)), dt
+
+
 @pytest.mark.parametrize("cols", [1000, 4097, 65536])
 def test_layer_norm_constant_rows(cols):
     """A constant row normalises to exactly 0 (y = bias), as torch gives, whatever the

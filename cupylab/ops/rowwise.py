@@ -24,9 +24,10 @@ _COMMON = """
     Arrays may come from CuPy, torch, JAX, Numba or anything with ``__cuda_array_interface__``
     / ``__dlpack__``; they are used without copying. Leading dimensions may be strided (they
     must merge into at most two strided levels); rows are read once from memory when the last
-    axis is contiguous and the row fits the register kernels (up to 262,144 16-bit elements,
-    131,072 float32, 65,536 float64 on compute capability 9.0; 32,768 / 16,384 / 8,192
-    before), else by a slower generic kernel that reads each row two or three times.
+    axis is contiguous and the row fits the register kernels (forwards: up to 262,144 16-bit
+    elements, 131,072 float32, 65,536 float64 on compute capability 9.0; 32,768 / 16,384 /
+    8,192 before; backwards, which hold two rows: 16,384 / 8,192 / 4,096), else by a slower
+    generic kernel that reads each row two or three times.
     Computation is in float32 for 16-bit and float32 data, float64 for float64.
 
     Runs on the caller's current stream (torch's for torch arrays, CuPy's otherwise) or on

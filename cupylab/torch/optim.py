@@ -30,7 +30,12 @@ Differences from torch
 * ``step(found_inf=..., grad_scale=...)`` (or the attributes of the same names, set by
   ``torch.amp.GradScaler`` for optimizers with ``_step_supports_amp_scaling``): one-element
   float32 CUDA tensors; a nonzero ``found_inf`` skips the step on the device (the step counter
-  then lives on the GPU).
+  then lives on the GPU). Unlike torch's fused optimizers, the step does not write the
+  unscaled gradients back into ``p.grad``: after ``scaler.step(opt)`` they are still
+  multiplied by the scale (call ``scaler.unscale_(opt)`` first to read true gradients).
+* ``SGD`` with ``momentum`` and ``dampening`` cannot take its first step (which initialises
+  the momentum buffers without dampening, a host decision) together with ``found_inf``:
+  take one step without ``GradScaler`` first, or use ``dampening=0``.
 
 Host work per step for an unchanged parameter list: reading ``p.grad`` and the data pointers
 of params and grads (to detect reallocated gradients), then one launch per dtype group.
