@@ -7,6 +7,7 @@ Used by :mod:`cupylab.ops.elementwise` and by user-defined elementwise kernels
 """
 from __future__ import annotations
 
+import math
 import numbers
 import sys
 
@@ -23,6 +24,21 @@ def c_strides(shape):
         st.append(acc)
         acc *= s
     return tuple(reversed(st))
+
+
+def real_value(opname, name, value, what):
+    """``value`` as a float: a real number (Python or NumPy, not a bool) that a C double
+    holds finitely; TypeError for a non-number, ValueError (``what``: the rule) for an
+    infinite, NaN or too large one."""
+    if not isinstance(value, numbers.Real) or type(value).__name__ in ("bool", "bool_"):
+        raise TypeError(f"{opname}: {name} must be a real number (got {value!r})")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v):
+        raise ValueError(f"{opname}: {name} must be {what} (got {value!r})")
+    return v
 
 
 def overlaps_itself(shape, strides):

@@ -13,14 +13,12 @@ per row that reads the row two or three times.
 """
 from __future__ import annotations
 
-import math
-import numbers
 import os
 import struct
 
 from .. import _arrays, _compile, _dtypes, _launch, _runtime
 from .._elementwise_core import (allocate, c_strides, check_overlap, coalesce, finish_output,
-                                 overlaps_itself)
+                                 overlaps_itself, real_value)
 
 FLOATS = tuple(_dtypes.from_name(n) for n in ("float16", "bfloat16", "float32", "float64"))
 F32 = _dtypes.from_name("float32")
@@ -344,21 +342,6 @@ def check_vector(opname, name, v, x, cols, allow_f32=True):
         return FLAG_W_F32
     raise TypeError(f"{opname}: {name} must be {x.dtype.name}"
                     f"{' or float32' if x.dtype.itemsize == 2 else ''} (got {v.dtype.name})")
-
-
-def real_value(opname, name, value, what):
-    """``value`` as a float: a real number (Python or NumPy, not a bool) that a C double
-    holds finitely; TypeError for a non-number, ValueError (``what``: the rule) for an
-    infinite, NaN or too large one."""
-    if not isinstance(value, numbers.Real) or type(value).__name__ in ("bool", "bool_"):
-        raise TypeError(f"{opname}: {name} must be a real number (got {value!r})")
-    try:
-        v = float(value)
-    except OverflowError:
-        v = math.inf
-    if not math.isfinite(v):
-        raise ValueError(f"{opname}: {name} must be {what} (got {value!r})")
-    return v
 
 
 def check_eps(opname, eps):

@@ -15,12 +15,10 @@ call. Empty lists are a no-op; empty arrays are skipped.
 """
 from __future__ import annotations
 
-import math
-
 import sys
 
 from .. import _arrays, _launch, _runtime
-from .._elementwise_core import allocate, finish_output
+from .._elementwise_core import allocate, finish_output, real_value
 from . import _mt_plan as P
 
 __all__ = ["add", "add_", "axpy_", "mul", "mul_", "scale_", "lerp", "lerp_", "copy_", "zero_",
@@ -258,13 +256,7 @@ def _is_scalar(x):
 def _scalar_or_device(opname, pname, x, plan, stream=None):
     """(host value, device pointer) for a Python number or a one-element float32 array."""
     if _is_scalar(x):
-        try:
-            v = float(x)
-        except OverflowError:
-            v = math.inf
-        if not math.isfinite(v):
-            raise ValueError(f"{opname}: {pname} must be a finite number (got {x!r})")
-        return v, 0
+        return real_value(opname, pname, x, "a finite number"), 0
     return 0.0, device_scalar(opname, pname, x, plan, stream=stream)
 
 
