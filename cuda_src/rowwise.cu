@@ -498,7 +498,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 acc = group_reduce<TPR, C, 1, THREADS>(acc, SumOp());
                 const A dm = acc.a * n_inv;
                 mean += dm;
-                s2 = fmax(acc.b - acc.a * dm, A(0));  // sum of (x - mean)^2 about the new mean
+                s2 = acc.b - acc.a * dm;  // sum of (x - mean)^2 about the new mean
+                if (s2 < A(0)) s2 = A(0);  // rounding; a NaN stays NaN
             } else {
                 s2 = group_reduce<TPR, C, 1, THREADS>(s2, SumOp());
             }
@@ -765,7 +766,8 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
                 acc = group_reduce<GT, 1, 1>(acc, SumOp());
                 const A dm = acc.a * n_inv;
                 mean += dm;
-                s2 = fmax(acc.b - acc.a * dm, A(0));
+                s2 = acc.b - acc.a * dm;
+                if (s2 < A(0)) s2 = A(0);
             } else {
                 s2 = group_reduce<GT, 1, 1>(s2, SumOp());
             }

@@ -51,9 +51,19 @@ def overlaps_itself(shape, strides):
     reach = 0
     for st, e in sorted((abs(st), e) for st, e in zip(strides, shape) if e > 1):
         if st <= reach:
-            return True
+            break
         reach += st * (e - 1)
-    return False
+    else:
+        return False
+    n = 1
+    for e in shape:
+        n *= e
+    if n > 1 << 16:  # too many to list: the sufficient test's answer (it may refuse a few)
+        return True
+    offs = {0}
+    for st, e in zip(strides, shape):  # every element's offset, exactly
+        offs = {o + st * i for o in offs for i in range(e)}
+    return len(offs) < n
 
 
 def broadcast_shapes(shapes, what="operands"):
@@ -164,9 +174,13 @@ def allocate(kind, shape, dt, device, stream=None):
         dev = _torch_dev.get(device)
         if dev is None:
             dev = _torch_dev[device] = torch.device("cuda", device)
-        if stream is not None and stream != _launch.current_stream("torch", device):
+        cur = None if stream is None else _launch.current_stream("torch", device)
+        if stream is not None and stream != cur:
             with torch.cuda.stream(_launch.torch_stream(stream, device)):
-                return torch.empty(shape, dtype=tdt, device=dev)
+                obj = torch.empty(shape, dtype=tdt, device=dev)
+            # the caller may go on using it on its current stream: freed behind that too
+            obj.record_stream(_launch.torch_stream(cur, device))
+            return obj
         return torch.empty(shape, dtype=tdt, device=dev)
     cp = _runtime.cupy()
     if stream is None and (device is None or _runtime.current_device() == device):

@@ -5,6 +5,7 @@ from . import _arrays, _kfast, _launch
 from ._elementwise_core import c_strides, finish_output, prepare_call
 from ._kernel import _MAX_GRID_X, Kernel, _block, _readonly_msg
 from ._kmodule import KernelModule
+from ._kparams import _BYTE_POINTEES, PAIR_POINTEES
 
 __all__ = ["ElementwiseKernel", "C_TYPE_NAMES"]
 
@@ -22,8 +23,6 @@ _INT_FMTS = frozenset("bBhHiIlLqQnN")
 def untyped_ok(p):
     """Whether an untyped pointer parameter ``p`` (no dtype) may take an array here: raw
     memory (void*, char*) is indexed as the arrays' elements by the kernel's own casts."""
-    from ._kparams import _BYTE_POINTEES  # noqa: PLC0415
-
     return p.ctype in _BYTE_POINTEES and "*" not in p.decl.replace("*", "", 1)
 
 
@@ -159,7 +158,12 @@ class ElementwiseKernel:
             if p.pointer and p.dtype is not None and p.dtype is not dt:
                 raise TypeError(f"{p.what} needs {p.dtype.name} arrays but the arrays are "
                                 f"{dt.name}")
-            if p.pointer and p.dtype is None and not untyped_ok(p):
+            if p.pointer and p.dtype is None and PAIR_POINTEES.get(p.ctype) not in (None,
+                                                                                  dt.name):
+                raise TypeError(f"{p.what} needs {PAIR_POINTEES[p.ctype]} arrays (one element a "
+                                f"{p.ctype}) but the arrays are {dt.name}")
+            if (p.pointer and p.dtype is None and p.ctype not in PAIR_POINTEES
+                    and not untyped_ok(p)):
                 # the element count is the arrays' size: a pointee of another size (float4,
                 # a struct, a pointer) would be indexed past the arrays' end
                 raise TypeError(f"{p.what}: ElementwiseKernel cannot tell how many "

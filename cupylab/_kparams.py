@@ -45,10 +45,13 @@ _FLOAT_TYPES = {  # canonical C spelling -> dtype name
 }
 #: Pointee types whose pointers take any array (raw bytes / untyped memory).
 _BYTE_POINTEES = frozenset({"void", "char", "unsigned char", "signed char"})
-#: Pairs of floats laid out as a complex number: their pointers take complex arrays.
-_COMPLEX_POINTEES = {"float2": "complex64", "cuComplex": "complex64",
-                     "cuFloatComplex": "complex64", "double2": "complex128",
+#: CUDA's complex types: their pointers take complex arrays.
+_COMPLEX_POINTEES = {"cuComplex": "complex64", "cuFloatComplex": "complex64",
                      "cuDoubleComplex": "complex128"}
+#: Pairs of floats: a Kernel takes any array for them (a float32 array read two floats at a
+#: time is common); ElementwiseKernel, which counts elements, takes the complex dtype of the
+#: same layout.
+PAIR_POINTEES = {"float2": "complex64", "double2": "complex128", **_COMPLEX_POINTEES}
 #: CUDA's builtin vector types, passed by value as a sequence of components.
 _VECTOR_TYPES = {}
 for _b, _c in (("char", "b"), ("uchar", "B"), ("short", "h"), ("ushort", "H"), ("int", "i"),

@@ -113,10 +113,11 @@ def wait_for(consumer: int, producer, device: int) -> None:
         producer = 0
         if consumer == 0:
             return
-    if _capturing(rt, consumer) and not _capturing(rt, producer):
+    if _capturing(rt, consumer) and _capturing(rt, producer, unknown=False) is not True:
         # a graph being captured cannot depend on work queued outside the capture (CUDA
-        # refuses the wait and ends the capture); the producer's work must be finished
-        # before capturing, as for any input of a graph
+        # refuses the wait and ends the capture; a query of the legacy stream during a
+        # capture fails, and recording on it would end the capture too): the producer's
+        # work must be finished before capturing, as for any input of a graph
         return
     evs = getattr(_tls_events, "d", None)
     if evs is None:
@@ -129,13 +130,13 @@ def wait_for(consumer: int, producer, device: int) -> None:
     rt.streamWaitEvent(consumer, ev, 0)
 
 
-def _capturing(rt, stream) -> bool:
-    """Whether ``stream`` is being captured into a CUDA graph (also when the runtime refuses
-    the question, as for the legacy stream while another stream captures)."""
+def _capturing(rt, stream, unknown=True) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph; ``unknown`` when the runtime
+    refuses the question (the legacy stream while a blocking stream captures)."""
     try:
         return rt.streamIsCapturing(stream) != 0
     except Exception:  # noqa: BLE001
-        return True
+        return unknown
 
 
 def ensure_device(device: int):

@@ -233,7 +233,7 @@ def _check_scalar_kinds(op, keys, ct, casting):
     if casting == "unsafe":
         return
     for k in keys:
-        if k[0] == "a":
+        if k[0] == "a" and not k[2]:  # 0-d tensors count like numbers (their cast is unchecked)
             continue
         kind = _PY_KIND[k[1]] if k[0] == "w" else _dtypes.from_name(k[1]).kind
         if _KIND_RANK[kind] > _KIND_RANK[ct.kind]:

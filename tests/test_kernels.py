@@ -392,11 +392,12 @@ def test_dtype_must_match_pointee():
            FakeCAI((8,), "|b1"))
     with pytest.raises(TypeError, match="needs uint64 data but got a int64"):
         h.pack(FakeCAI((8,), "<f2"), FakeCAI((8,), "<i8"), FakeCAI((8,), "<i8"), None)
-    # complex pairs take complex arrays only (a float32 array of 8 is 4 float2 elements)
+    # CUDA's complex types take complex arrays; float2 / double2 stay raw pairs in a Kernel
     c = mod('extern "C" __global__ void c(float2* a, const double2* b, cuComplex* z) {}')["c"]
     c.pack(FakeCAI((8,), "<c8"), FakeCAI((8,), "<c16"), FakeCAI((8,), "<c8"))
+    c.pack(FakeCAI((8,), "<f4"), FakeCAI((8,), "<f8"), FakeCAI((8,), "<c8"))
     with pytest.raises(TypeError, match="needs complex64 data but got a float32"):
-        c.pack(FakeCAI((8,), "<f4"), FakeCAI((8,), "<c16"), FakeCAI((8,), "<c8"))
+        c.pack(FakeCAI((8,), "<c8"), FakeCAI((8,), "<c16"), FakeCAI((8,), "<f4"))
 
 
 def test_a_type_defined_by_preprocessor_branches_is_reported_not_guessed():
@@ -424,6 +425,11 @@ def test_elementwise_kernel_refuses_pointers_it_cannot_count(sim):
     e = ElementwiseKernel(m["v4"])
     with pytest.raises(TypeError, match=r"cannot tell how many float4 elements"):
         e(FakeCAI((8,), "<f4"), out=FakeCAI((8,), "<f4", ptr=0x7F00_0001_0000))
+    p2 = load_kernels(source='extern "C" __global__ void p2(float2* o, const float2* a, '
+                             'long long n) {}')
+    with pytest.raises(TypeError, match=r"needs complex64 arrays \(one element a float2\)"):
+        ElementwiseKernel(p2["p2"])(FakeCAI((8,), "<f4"),
+                                    out=FakeCAI((8,), "<f4", ptr=0x7F00_0003_0000))
     assert sim["launches"] == []
     ElementwiseKernel(m["raw"])(FakeCAI((8,), "<f4"),
                                 out=FakeCAI((8,), "<f4", ptr=0x7F00_0002_0000))

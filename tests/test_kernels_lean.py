@@ -106,6 +106,9 @@ def fw(monkeypatch, sim):
         def __array__(self):  # as torch's: host data is named as such in messages
             raise AssertionError("never converted")
 
+        def record_stream(self, s):
+            f.recorded.append(("record", s))
+
         def numel(self):
             return self._n
 
@@ -436,7 +439,8 @@ def test_elementwise_size_guard_and_streams(fw):
         addf(big, big)
     full = fw.full
     r = addf(a, a, stream=0x42)  # allocating on another stream: the full path, from its free list
-    assert fw.full == full + 1 and fw.recorded == [("ext", 0x42, 0)]
+    assert fw.full == full + 1 and fw.recorded == [("ext", 0x42, 0),
+                                                   ("record", ("ext", TORCH_STREAM, 0))]
     assert fw.launches[-1]["stream"] == 0x42 and type(r) is fw.t
     addf(a, a, out=a, stream=0x42)  # writing into out= on another stream: lean
     assert fw.full == full + 1 and fw.launches[-1]["stream"] == 0x42
@@ -444,9 +448,9 @@ def test_elementwise_size_guard_and_streams(fw):
     twice(fw, lambda: addf(c, c))
     full = fw.full
     addf(c, c, stream=CUPY_STREAM)  # CuPy's current stream given explicitly: lean
-    assert fw.full == full and len(fw.recorded) == 1
+    assert fw.full == full and len(fw.recorded) == 2
     r = addf(c, c, stream=0x42)  # CuPy memory for another stream: the full path, from its pool
-    assert fw.full == full + 1 and fw.recorded[1:] == [("cupy", 0x42, 0)]
+    assert fw.full == full + 1 and fw.recorded[2:] == [("cupy", 0x42, 0)]
     assert fw.launches[-1]["stream"] == 0x42 and type(r) is fw.c
 
 

@@ -394,15 +394,19 @@ def test_a_capture_elsewhere_waits_for_the_upload_and_marks_the_plan(streams):
     assert len(streams.waits) == 1
 
 
-def test_new_gradients_during_a_capture_are_refused_with_the_remedy(streams):
+def test_new_gradients_during_a_capture_are_refused_with_the_remedy(streams, monkeypatch):
     """Re-pointing a table uploads it, which a capture cannot do: the message names the
     cause (new gradient tensors) and the in-place zeroing that avoids it."""
     plan = _plan(0xA, streams.rt)
-    streams.capturing = {0xA}
+
+    def upload(*a):
+        raise P._CaptureError("cannot be set up during CUDA graph capture")
+
+    monkeypatch.setattr(P, "_upload_plan", upload)
+    monkeypatch.setattr(P, "patch", lambda groups, blob, slot, ptrs: blob)
     with pytest.raises(RuntimeError, match=r"new tensors during a CUDA graph capture.*"
                                            r"zero_grad\(set_to_none=False\) before backward"):
         P.repoint(plan, 1, [0x1000], 0xA)
-    assert streams.uploads == []
 
 
 def test_pinned_plans_outlive_the_lru_bound_but_not_their_arrays():

@@ -192,6 +192,8 @@ def test_overlaps_itself():
     assert overlaps_itself((4, 64), (32, 1))
     assert overlaps_itself((4, 64), (0, 1))
     assert overlaps_itself((2, 2), (1, 1))
+    assert not overlaps_itself((3, 3), (2, 3))  # interleaved, 9 distinct addresses
+    assert overlaps_itself((3, 3), (1, 1))
 
 
 def test_numeric_arguments_take_numpy_scalars_and_refuse_non_numbers(sim):

@@ -219,6 +219,10 @@ def test_layer_norm_with_an_outlier_first_element(cols):
         ref_y, ref_mean, _ = R.ROWWISE_REFERENCES["layer_norm"](h, None, None, 1e-5)
         np.testing.assert_allclose(to_host(mean), ref_mean, rtol=1e-6, atol=1e-6)
         check(y, ref_y, "float32", 1, "layer_norm outlier")
+    bad = h.copy()
+    bad[1, 7] = np.nan
+    _, _, rstd = cupylab.layer_norm(cupy_from_host(bad), None, None, return_stats=True)
+    assert np.isnan(to_host(rstd)[1]) and np.isfinite(to_host(rstd)[[0, 2]]).all()
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "cross_entropy"])

@@ -86,9 +86,15 @@ def test_torch_allocation_for_another_stream_is_made_while_it_is_current(monkeyp
         finally:
             state["current"] = old
 
+    recorded = []
+
+    class T:
+        def record_stream(self, s):
+            recorded.append(s)
+
     def empty(shape, dtype=None, device=None):
         allocs.append((shape, device, state["current"]))
-        return object()
+        return T()
 
     torch = types.SimpleNamespace(
         float32="f32", device=lambda kind, i: (kind, i), empty=empty,
@@ -105,6 +111,8 @@ def test_torch_allocation_for_another_stream_is_made_while_it_is_current(monkeyp
     assert allocs == [((3,), ("cuda", 0), 0x5700), ((4,), ("cuda", 0), 0x5700),
                       ((5,), ("cuda", 1), 0x99)]
     assert state["current"] == 0x5700  # restored
+    # used on by the caller's current stream too: freed behind it as well
+    assert recorded == [("ext", 0x5700, 1)]
     assert _launch.torch_stream(0x99, 1) is _launch.torch_stream(0x99, 1)  # kept
 
 

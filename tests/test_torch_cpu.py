@@ -1187,6 +1187,8 @@ def test_torch_rule_refusals_hold_for_dtype_and_scalars():
         P.resolve("torch", "subtract", (_tkey("int64"), ("w", "bool")))
     with pytest.raises(TypeError, match="scalar of kind float to int32"):
         P.resolve("torch", "add", (_tkey("int32"), ("w", "float")), dtype=i32)
+    with pytest.raises(TypeError, match="scalar of kind float64 to int32"):  # a 0-d tensor
+        P.resolve("torch", "add", (_tkey("int32"), _tkey("float64", True)), dtype=i32)
     assert P.resolve("torch", "add", (_tkey("int32"), ("w", "float")), dtype=i32,
                      casting="unsafe")[0] is i32
     with pytest.raises(TypeError, match="complex32"):

@@ -389,12 +389,16 @@ def build(slot_views, sizes, device, kind, stream, chunk=None):
     return _upload_plan(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stream)
 
 
+class _CaptureError(RuntimeError):
+    """A table that would have to be uploaded during a CUDA graph capture."""
+
+
 def _upload_plan(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stream):
     cp = _runtime.cupy()
     ws_off = -(-len(blob) // 16) * 16  # then the workspace: partials (float64) and scratch
     total = ws_off + 8 * max(nblocks, 1) + 16
     if capturing(cp.cuda.runtime, stream):
-        raise RuntimeError(
+        raise _CaptureError(
             "cupylab multi-tensor call: a list seen for the first time cannot be set up during "
             "CUDA graph capture (its table is uploaded then); run the call once before "
             "capturing (a warm-up step)")
@@ -455,16 +459,17 @@ def repoint(plan, slot, ptrs, stream):
     and uploaded as a new table on ``stream``; nothing is regrouped or validated here (the
     caller checks the new arrays). An optimizer's gradients are new tensors after every
     ``zero_grad(set_to_none=True)``: this keeps the step's host work small for them."""
-    if capturing(_runtime.cupy().cuda.runtime, stream):
+    groups, blob, tb_off = plan.layout
+    try:
+        return _upload_plan(plan.device, plan.kind, plan.sizes, plan.chunk, groups,
+                            patch(groups, blob, slot, ptrs), tb_off, plan.nblocks, stream)
+    except _CaptureError:  # _upload_plan's own check, worded for the case that reaches it
         raise RuntimeError(
             "cupylab.torch.optim: the gradients are new tensors during a CUDA graph capture "
             "(zero_grad(set_to_none=True) before it), and the step's launch table cannot be "
             "re-pointed at them then (nothing can be uploaded during a capture). Keep the "
             "warm-up step's gradient tensors: zero them in place inside the captured region "
-            "(optimizer.zero_grad(set_to_none=False) before backward)")
-    groups, blob, tb_off = plan.layout
-    return _upload_plan(plan.device, plan.kind, plan.sizes, plan.chunk, groups,
-                        patch(groups, blob, slot, ptrs), tb_off, plan.nblocks, stream)
+            "(optimizer.zero_grad(set_to_none=False) before backward)") from None
 
 
 _recording = threading.local()

@@ -100,8 +100,9 @@ def _check_aliasing(opname, names, slot_views, writes, inplace_pairs=()):
     for s in spans + [(float("inf"), 0, False, -1, -1)]:
         if s[0] >= end:
             if len(cluster) > 1 and any(c[2] for c in cluster):
-                a = cluster[0]
-                for b in cluster[1:]:
+                pairs = [(a, b) for i, a in enumerate(cluster) for b in cluster[i + 1:]
+                         if a[2] or b[2]]  # every pair with a written array, in any order
+                for a, b in pairs:
                     # an array and its own result at one position: elementwise, safe; two
                     # results written to one array are not
                     ok = (a[0], a[1], a[4]) == (b[0], b[1], b[4]) and (
