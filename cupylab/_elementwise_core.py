@@ -165,7 +165,8 @@ def allocate(kind, shape, dt, device, stream=None):
     belongs to that stream as the framework defines it: it is handed out only when free for
     work on ``stream`` (not while the current stream's queued kernels may still use it), and
     it returns to the allocator behind ``stream``'s work. torch's caching allocator and
-    CuPy's pool both keep their free lists per stream."""
+    CuPy's pool both keep their free lists per stream. A torch array is also
+    ``record_stream``'d on the current stream, on which the caller may go on using it."""
     if kind == "torch":
         torch = sys.modules["torch"]
         tdt = _torch_dt.get(dt.name)
