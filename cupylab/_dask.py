@@ -404,7 +404,7 @@ def norm_backward(name, fn, dy, x, weight, stats, stream, weight_grad=True):
     k = len(stats)  # weight gradients: dweight, and dbias for layer_norm
     acc = xd.dtype if xd.dtype.itemsize == 8 else _np_float32()  # rc.acc_dtype's rule
     wa = weight
-    if xv.dtype.itemsize == 2 and _is_16bit(weight):
+    if xv.dtype.itemsize == 2 and getattr(weight.dtype, "itemsize", 0) == 2:
         import cupy  # noqa: PLC0415 - a GPU weight beside Dask arrays of GPU chunks
 
         # each chunk's sums come back unrounded (the op takes float32 weights with 16-bit x)
@@ -416,11 +416,6 @@ def norm_backward(name, fn, dy, x, weight, stats, stream, weight_grad=True):
                         meta=meta_from_array(xd._meta, ndim=nd + 1, dtype=acc))
     g = part.sum(axis=rows, dtype=acc).astype(weight.dtype)
     return (dx,) + tuple(g[j] for j in range(k))
-
-
-def _is_16bit(weight):
-    """Whether ``weight`` is a 16-bit float array."""
-    return getattr(weight.dtype, "itemsize", 0) == 2
 
 
 def _nb_call(fn, weight, acc, dy, x, *stats):

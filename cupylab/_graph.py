@@ -57,7 +57,7 @@ class Graph:
         tctx = contextlib.nullcontext()
         if torch is not None and torch.cuda.is_initialized():
             _launch.wait_for(s.ptr, torch._C._cuda_getCurrentRawStream(dev) or 1, dev)
-            tctx = torch.cuda.stream(torch.cuda.ExternalStream(s.ptr, device=dev))
+            tctx = torch.cuda.stream(_launch.torch_stream(s.ptr, dev))
         with s, tctx:
             s.begin_capture()
             ok = False

@@ -178,7 +178,8 @@ class EwPattern:
 
     def __init__(self, ek, tp, torch):
         self._ek, self._torch = ek, torch
-        self._dtypes = {}  # framework dtype -> (launch kernel, converters, whats, most, itemsize)
+        # framework dtype -> (launch kernel, converters, whats, most, itemsize, complex)
+        self._dtypes = {}
         env = {"TT": tp, "D": self._dtypes, "MISS": MISS, "_k": sys.modules[__name__],
                "_launch": _launch, "B": ek.block}
         exec(compile(_ew_source(ek, torch), "<cupylab._kfast elementwise>", "exec"), env)  # noqa: S102
@@ -209,7 +210,8 @@ class EwPattern:
         x = args[ek._ptr.index(True)]
         self._dtypes[x.dtype] = (kernel._k, tuple(ps[i].convert for i in scal),
                                  tuple(ps[i].what for i in scal), most,
-                                 x.element_size() if self._torch else x.dtype.itemsize)
+                                 x.element_size() if self._torch else x.dtype.itemsize,
+                                 self._torch and "complex" in str(x.dtype))  # conj bits to read
 
 
 def _ew_source(ek, torch):
@@ -222,8 +224,8 @@ def _ew_source(ek, torch):
     x = f"a{arrays[0]}"
     if torch:
         same = ("(type({a}) is not TT or {a}.dtype is not fdt or {a}.requires_grad "
-                "or not {a}.is_contiguous() or {a}.is_neg() or {a}.is_conj() or not {a}.is_cuda "
-                "or {a}.get_device() != dev or {a}.shape != shape)")
+                "or not {a}.is_contiguous() or {a}.is_neg() or (info[5] and {a}.is_conj()) "
+                "or not {a}.is_cuda or {a}.get_device() != dev or {a}.shape != shape)")
         head = [f"if type({x}) is not TT:", "    return MISS",
                 f"fdt = {x}.dtype",
                 "info = D.get(fdt)",
@@ -232,7 +234,7 @@ def _ew_source(ek, torch):
                 f"shape = {x}.shape",
                 f"dev = {x}.get_device()",
                 f"if ({x}.requires_grad or not {x}.is_contiguous() or {x}.is_neg() "
-                f"or {x}.is_conj()):",
+                f"or (info[5] and {x}.is_conj())):",
                 "    return MISS"]
         alloc = ["raw = _k._torch_raw or _k._init_torch()",
                  "s = raw(dev)",

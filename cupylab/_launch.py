@@ -113,7 +113,7 @@ def wait_for(consumer: int, producer, device: int) -> None:
         producer = 0
         if consumer == 0:
             return
-    if _capturing(rt, consumer) and _capturing(rt, producer, unknown=False) is not True:
+    if capturing(rt, consumer) and capturing(rt, producer, unknown=False) is not True:
         # a graph being captured cannot depend on work queued outside the capture (CUDA
         # refuses the wait and ends the capture; a query of the legacy stream during a
         # capture fails, and recording on it would end the capture too): the producer's
@@ -130,7 +130,7 @@ def wait_for(consumer: int, producer, device: int) -> None:
     rt.streamWaitEvent(consumer, ev, 0)
 
 
-def _capturing(rt, stream, unknown=True) -> bool:
+def capturing(rt, stream, unknown=True) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph; ``unknown`` when the runtime
     refuses the question (the legacy stream while a blocking stream captures)."""
     try:

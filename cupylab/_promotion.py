@@ -188,8 +188,7 @@ def _torch(op, keys, dtype, out, casting):
         if k[0] == "w":
             return sample[k[1]]
         # torch treats NumPy scalars like Python numbers of their kind
-        d = _dtypes.from_name(k[1])
-        return sample[{"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}[d.kind]]
+        return sample[_WEAK_KIND[_dtypes.from_name(k[1]).kind]]
 
     args = [arg(k) for k in keys]
     r = torch.result_type(args[0], args[1])
@@ -212,6 +211,8 @@ def _torch(op, keys, dtype, out, casting):
     return _check_casts(ct, ins, out, casting, op)
 
 
+# a scalar's kind against the computation dtype's: _dtypes._KIND_ORDER with signed and
+# unsigned integers as one kind (a Python int into a uint8 computation is no truncation)
 _KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 _PY_KIND = {"bool": "b", "int": "i", "float": "f", "complex": "c"}
 

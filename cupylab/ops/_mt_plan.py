@@ -311,13 +311,7 @@ def _release_parked():
     _parked[:] = keep
 
 
-def capturing(rt, stream):
-    """Whether ``stream`` is being captured into a CUDA graph (also when the runtime refuses
-    the question: the legacy stream while another stream captures)."""
-    try:
-        return rt.streamIsCapturing(stream) != 0
-    except Exception:  # noqa: BLE001
-        return True
+capturing = _launch.capturing  # (rt, stream): True also when the runtime refuses the question
 
 
 _PER_THREAD = 2  # cudaStreamPerThread: each thread's own default stream under one handle

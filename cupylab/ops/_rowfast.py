@@ -218,9 +218,10 @@ def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
             p1 = _same(fw, tp, residual, px)
             if p1 is None:
                 return MISS
-            nb = math.prod(shape) * fdt.itemsize
-            if inplace and p1 != p0 and _overlap(p0, nb, p1, nb):
-                return MISS  # h written over part of x: the general path refuses it
+            if inplace:
+                nb = math.prod(shape) * fdt.itemsize
+                if p1 != p0 and _overlap(p0, nb, p1, nb):
+                    return MISS  # h written over part of x: the general path refuses it
         if weight is not None:
             r = _weight(fw, tp, weight, fdt, cols, dev)
             if r is None:
