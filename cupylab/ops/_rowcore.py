@@ -59,7 +59,7 @@ COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_
 PIPE_OPS = (0, 1, 2, 3, 5)
 PIPE16_OPS = (10, 11, 12, 13)
 TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
-PIPE_STAGES = 3  # PIPE_STAGES in rowwise.cu
+PIPE_STAGES = 3  # PIPE_STAGES in cupylab_rowwise.cuh
 GROUPS = {"softmax": (0, 1), "norm": (2, 3, 4), "ce": (5,), "softmax_bwd": (10, 11),
           "norm_bwd": (12, 13)}
 ARGS_FMT = "13Q5q12q2d"  # struct RowArgs

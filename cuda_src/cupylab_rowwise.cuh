@@ -1,0 +1,221 @@
+// Row-wise kernels' shared pieces (cuda_src/rowwise.cu): the operator codes, the one
+// parameter block RowArgs, row addressing, 16-byte vector load/store of a row's slots with
+// partial words at the ends, weight and target reads, and the cp.async staging of a row into
+// shared memory for the pipelined kernels.
+#pragma once
+#include "cupylab_reduce.cuh"
+
+namespace cl {
+
+enum {
+    OP_SOFTMAX = 0, OP_LOG_SOFTMAX = 1, OP_RMS = 2, OP_LN = 3, OP_ADD_RMS = 4, OP_CE = 5,
+    OP_SOFTMAX_BWD = 10, OP_LOG_SOFTMAX_BWD = 11, OP_RMS_BWD = 12, OP_LN_BWD = 13
+};
+
+// One parameter block for every kernel (all 8-byte fields: the host packs "13Q5q12q2d").
+// Operand k of so/si/cs: 0 in0, 1 in1 (or the target for OP_CE), 2 out0, 3 out1.
+struct RowArgs {
+    u64 out0, out1, in0, in1, w, b, st0, st1, part0, part1, target, loss, scale;
+    i64 rows, cols, n1, ignore_index, flags;  // flags: 1 = int32 target, 2 = mean reduction
+    i64 so[4], si[4], cs[4];  // row strides (outer, inner leading dim), column strides
+    double eps, smooth;
+};
+
+template <typename P>
+__device__ __forceinline__ P* row_ptr(u64 base, const RowArgs& p, int k, i64 row) {
+    if (p.n1 >= p.rows) return reinterpret_cast<P*>(base) + row * p.si[k];  // one level: no division
+    i64 ro = row / p.n1, ri = row - ro * p.n1;
+    return reinterpret_cast<P*>(base) + ro * p.so[k] + ri * p.si[k];
+}
+
+// exp in the row kernels: the fast ex2-based intrinsic for 16-bit data (far below their
+// rounding), the accurate one for float32 / float64.
+template <typename T> __device__ __forceinline__ float exp_row(float x) { return expf(x); }
+template <> __device__ __forceinline__ float exp_row<half_t>(float x) { return __expf(x); }
+template <> __device__ __forceinline__ float exp_row<bf16_t>(float x) { return __expf(x); }
+template <typename T> __device__ __forceinline__ double exp_row(double x) { return exp(x); }
+
+// Weights and biases are T, or float32 with 16-bit T (flags & 4).
+template <typename T, typename A>
+__device__ __forceinline__ A load_w(const RowArgs& p, u64 w, i64 col, A dflt) {
+    if (!w) return dflt;
+    if (p.flags & 4) return (A)reinterpret_cast<const float*>(w)[col];
+    return (A)to_acc(reinterpret_cast<const T*>(w)[col]);
+}
+
+// V elements of a 16-byte slot to the accumulator type and back. bfloat16 pairs are split and
+// packed as 32-bit words (two instructions per pair); float16 pairs use cvt.rn.f16x2.
+template <typename T, int V, typename A>
+__device__ __forceinline__ void unpack(const Vec<T, V>& v, A (&f)[V]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) f[k] = to_acc(v.v[k]);
+}
+template <>
+__device__ __forceinline__ void unpack<bf16_t, 8, float>(const Vec<bf16_t, 8>& v, float (&f)[8]) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+template <typename T, int V, typename A>
+__device__ __forceinline__ void pack(const A (&f)[V], Vec<T, V>& v) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v.v[k] = from_acc<T>(f[k]);
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <>
+__device__ __forceinline__ void pack<bf16_t, 8, float>(const float (&f)[8], Vec<bf16_t, 8>& v) {
+    unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+}
+template <>
+__device__ __forceinline__ void pack<half_t, 8, float>(const float (&f)[8], Vec<half_t, 8>& v) {
+    unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+}
+#endif
+
+// What elements outside the row are loaded as: -inf for the softmax family (neutral for the
+// max and, as exp(-inf) = 0, for the sum), 0 for everything else (neutral for sums).
+template <typename T> __device__ __forceinline__ T neg_inf_t() { return (T)neg_inf<typename Acc<T>::type>(); }
+template <> __device__ __forceinline__ half_t neg_inf_t<half_t>() { half_t h; h.bits = 0xfc00; return h; }
+template <> __device__ __forceinline__ bf16_t neg_inf_t<bf16_t>() { bf16_t h; h.bits = 0xff80; return h; }
+template <typename T, int OP>
+__device__ __forceinline__ T fill_value() {
+    return (OP == OP_SOFTMAX || OP == OP_LOG_SOFTMAX || OP == OP_CE) ? neg_inf_t<T>() : T();
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void load_slot(Vec<T, V>& v, const T* al, int s, int e0, int cols,
+                                          bool active, T fill) {
+    if (active && e0 >= 0 && e0 + V <= cols) {
+        v = *reinterpret_cast<const Vec<T, V>*>(al + s * V);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            v.v[k] = (active && (unsigned)(e0 + k) < (unsigned)cols) ? al[s * V + k] : fill;
+    }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_slot(T* al, const Vec<T, V>& v, int s, int e0, int cols,
+                                           bool active) {
+    if (!active) return;
+    if (e0 >= 0 && e0 + V <= cols) {
+        *reinterpret_cast<Vec<T, V>*>(al + s * V) = v;
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            if ((unsigned)(e0 + k) < (unsigned)cols) al[s * V + k] = v.v[k];
+    }
+}
+
+// V weights for columns e0 .. e0+V-1 (dflt where there is no weight or outside the row).
+template <typename W, int V, typename A>
+__device__ __forceinline__ void load_wslot_t(A (&o)[V], u64 w, int e0, int cols, A dflt) {
+    const W* wp = reinterpret_cast<const W*>(w);
+    if (e0 >= 0 && e0 + V <= cols && ((w + e0 * sizeof(W)) % (sizeof(W) * V)) == 0) {
+        Vec<W, V> t = *reinterpret_cast<const Vec<W, V>*>(wp + e0);
+#pragma unroll
+        for (int k = 0; k < V; ++k) o[k] = (A)to_acc(t.v[k]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            int e = e0 + k;
+            o[k] = (e >= 0 && e < cols) ? (A)to_acc(wp[e]) : dflt;
+        }
+    }
+}
+
+template <typename T, int V, typename A>
+__device__ __forceinline__ void load_wslot(A (&o)[V], const RowArgs& p, u64 w, int e0, int cols,
+                                           A dflt) {
+    if (!w) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) o[k] = dflt;
+    } else if (p.flags & 4) {
+        load_wslot_t<float, V>(o, w, e0, cols, dflt);
+    } else {
+        load_wslot_t<T, V>(o, w, e0, cols, dflt);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ i64 load_target(const RowArgs& p, i64 row) {
+    if (p.flags & 1) return (i64)*row_ptr<const int>(p.target, p, 1, row);
+    return *row_ptr<const i64>(p.target, p, 1, row);
+}
+
+// ---- cp.async pipeline (row_pipe_kernel) -------------------------------------------------
+// Each thread copies its own 16-byte slots of upcoming rows into shared memory (cp.async,
+// sm_80+) and later reads back only those slots, so the pipeline needs no block barrier: the
+// loads of the next rows are in flight while the current row is reduced and written.
+constexpr int PIPE_STAGES = 3;
+
+// Below sm_80 (no cp.async) the pipelined kernels still compile, with plain synchronous
+// copies, so that one program serves every architecture; the host never launches them there
+// (pipe_plan).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+#else
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// Start copying this thread's slots of `row` (operand in0, or in1 when IN == 1) into `stage`
+// (NV x THREADS vectors, slot j of thread t at j * THREADS + t). Slots that are not whole
+// 16-byte words of the row are filled element by element (`fill` outside the row).
+template <typename T, int V, int NV, int TPR, int THREADS, int IN = 0>
+__device__ __forceinline__ void issue_row(Vec<T, V>* stage, const RowArgs& p, i64 row, int sbase,
+                                          int cols, T fill) {
+    if (row >= p.rows) return;
+    const T* x = row_ptr<const T>(IN ? p.in1 : p.in0, p, IN, row);
+    const int head = (int)(((u64)x & 15) / sizeof(T));
+    const T* xal = x - head;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int s = sbase + j * TPR, e0 = s * V - head;
+        Vec<T, V>* dst = stage + j * THREADS + threadIdx.x;
+        if (e0 >= 0 && e0 + V <= cols) {
+            cp_async16(dst, xal + s * V);
+        } else {
+            Vec<T, V> v;
+#pragma unroll
+            for (int k = 0; k < V; ++k)
+                v.v[k] = ((unsigned)(e0 + k) < (unsigned)cols) ? xal[s * V + k] : fill;
+            *dst = v;
+        }
+    }
+}
+
+// Stage `row` of every input into `stage` (in0's slots, then in1's for the two-input ops).
+template <typename T, int OP, int V, int NV, int TPR, int THREADS, bool TWO_IN>
+__device__ __forceinline__ void issue_stage(Vec<T, V>* stage, const RowArgs& p, i64 row,
+                                            int sbase, int cols) {
+    issue_row<T, V, NV, TPR, THREADS>(stage, p, row, sbase, cols, fill_value<T, OP>());
+    if constexpr (TWO_IN)
+        issue_row<T, V, NV, TPR, THREADS, 1>(stage + NV * THREADS, p, row, sbase, cols, T());
+}
+
+}  // namespace cl
