@@ -20,6 +20,9 @@ __all__ = ["Graph"]
 class Graph:
     """Record GPU work once, replay it with one launch.
 
+    ``Graph()`` takes no arguments: :meth:`capture` records, :meth:`replay` launches (its
+    ``stream`` is the only parameter). Capturing again replaces the graph.
+
     Examples
     --------
     >>> d = torch.empty_like(a)
@@ -48,7 +51,23 @@ class Graph:
     def capture(self):
         """Context manager: everything launched inside (on the current CuPy/torch stream) is
         recorded instead of run. The capture stream first waits for work already queued on
-        the current streams, so the graph sees the data as it is at capture time."""
+        the current streams, so the graph sees the data as it is at capture time.
+
+        The capture runs on a new non-blocking CuPy stream of the current CuPy device,
+        made CuPy's current stream inside the block, and torch's too when torch's CUDA is
+        initialised.
+
+        Returns
+        -------
+        context manager
+            ``with g.capture() as same_g:`` binds this Graph. A body that raises ends the
+            capture and leaves nothing to replay (the exception propagates).
+
+        Raises
+        ------
+        cupylab.NoGPUError
+            CuPy cannot be imported, or it finds no usable CUDA GPU.
+        """
         cp = _runtime.cupy()
         dev = cp.cuda.runtime.getDevice()
         s = cp.cuda.Stream(non_blocking=True)
@@ -73,7 +92,26 @@ class Graph:
 
     def replay(self, stream=None):
         """Launch the captured graph on ``stream`` (default: CuPy's current stream, which is
-        the same legacy default stream torch uses unless you changed either)."""
+        the same legacy default stream torch uses unless you changed either).
+
+        Parameters
+        ----------
+        stream : int or stream object, optional
+            A ``cudaStream_t`` handle, a CuPy or torch stream, or an object with
+            ``__cuda_stream__``.
+
+        Returns
+        -------
+        None
+            The replay is queued; the host does not wait for it.
+
+        Raises
+        ------
+        RuntimeError
+            Nothing has been captured (or the last capture's body raised).
+        TypeError, ValueError
+            A ``stream`` that is not a stream, or a negative handle.
+        """
         if self._graph is None:
             raise RuntimeError("Graph.replay: nothing captured yet (use `with g.capture():`)")
         if stream is None:

@@ -95,6 +95,10 @@ class Kernel:
     returned; the memory must then stay valid until the kernel has run, which the
     frameworks' stream-ordered allocators ensure for arrays the caller still holds.
 
+    Kernels are made by :meth:`KernelModule.__getitem__` (``module["name"]``); the
+    constructor is internal. The launch parameters are those of :meth:`__call__` and
+    :meth:`launch_1d`.
+
     Attributes
     ----------
     name : str
@@ -170,11 +174,22 @@ class Kernel:
         """The parameter buffer a launch with ``args`` would pass (a debugging aid).
 
         Runs every argument check; parameter ``i`` is at ``param_offsets[i]``. DLPack/JAX
-        arrays are imported without a stream.
+        arrays are imported without a stream. Nothing is launched or compiled.
+
+        Parameters
+        ----------
+        *args
+            One per kernel parameter, as for :meth:`__call__`.
 
         Returns
         -------
         bytes
+            The packed arguments, laid out as the kernel's C parameters.
+
+        Raises
+        ------
+        TypeError, ValueError, OverflowError
+            The argument errors of :meth:`__call__`.
         """
         values, views, pending, _ = self._bind(args)
         for i, fn, _ in pending or ():
@@ -204,6 +219,11 @@ class Kernel:
         stream : optional
             A CuPy or torch stream, an int ``cudaStream_t``, or an object with
             ``__cuda_stream__``. Default: the caller's current stream.
+
+        Returns
+        -------
+        None
+            The launch is queued on the stream; the host does not wait for it.
 
         Raises
         ------
@@ -252,9 +272,16 @@ class Kernel:
         stream : optional
             As for :meth:`__call__`.
 
+        Returns
+        -------
+        None
+            The launch is queued on the stream; the host does not wait for it.
+
         Raises
         ------
-        Same as :meth:`__call__`; ``ValueError`` for a negative ``n``.
+        TypeError, ValueError, OverflowError, cupylab.CompileError
+            As for :meth:`__call__`; also ``ValueError`` for an ``n`` that is not a
+            non-negative integer, or a block that is not 1-D.
         """
         bound = self._bound
         if (bound is not None and type(n) is int and n > 0 and type(block) is int

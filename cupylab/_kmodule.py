@@ -38,6 +38,19 @@ def cuda_include_dir():
     Looked for, in order, in the NVIDIA pip wheels next to the NVRTC in use
     (``nvidia/cu<major>/include``, ``nvidia/cuda_runtime/include``), ``$CUDA_PATH``,
     ``$CUDA_HOME`` and ``/usr/local/cuda``. NVRTC itself has no default include path.
+    :func:`load_kernels` appends this directory to every module's include path.
+
+    Returns
+    -------
+    str or None
+        The first candidate directory that holds ``cuda_fp16.h``, or ``None`` when none
+        does.
+
+    Notes
+    -----
+    The answer is computed on the first call and cached for the life of the process:
+    later changes to the environment variables or to the installed wheels are not seen.
+    Raises nothing: without a usable NVRTC the ``cu<major>`` wheel directory is skipped.
     """
     if _cuda_inc[0]:
         return _cuda_inc[1]
@@ -101,6 +114,33 @@ class KernelModule:
 
     Compilation is lazy: the first launch on a device compiles (or loads from the disk cache)
     and loads the module there. :meth:`compile` does it ahead of time.
+
+    The usual way to get a module is :func:`load_kernels`, which checks its arguments and
+    returns the module already made for the same source, headers and options; the
+    constructor does neither (it parses the source and makes new programs; the disk cache
+    of compiled code is shared all the same). The source and the user headers it includes
+    are scanned here; nothing is compiled.
+
+    Parameters
+    ----------
+    source : str
+        The CUDA C++ source text.
+    filename : str
+        The name NVRTC reports in messages.
+    name_expressions, options, include_dirs, signatures, struct_formats
+        As for :func:`load_kernels`.
+    here : str, optional
+        The directory of the source file, searched first for ``#include "..."`` (what
+        :func:`load_kernels` passes for a ``path``).
+
+    Raises
+    ------
+    KernelNotFoundError
+        A name expression that names no ``__global__`` function of the source.
+    TypeError, ValueError
+        A bad name expression (a template without arguments, a non-template with some, an
+        overloaded kernel), a signature that is not a string, or one that cannot be
+        parsed.
 
     Attributes
     ----------
@@ -248,6 +288,19 @@ class KernelModule:
     def __getitem__(self, name) -> "Kernel":
         """The :class:`Kernel` for a kernel name or template instance (cached per name).
 
+        Parameters
+        ----------
+        name : str
+            A kernel name (``"vector_add"``, ``"ns::f"``, a unique unqualified name), a
+            template instance (``"scale<float>"``), or a name given in ``signatures=``.
+
+        Returns
+        -------
+        Kernel
+            The same object for the same ``name`` on later lookups. Nothing is compiled
+            here: a template instance not listed in ``name_expressions`` is compiled as a
+            program of its own at its first launch.
+
         Raises
         ------
         KernelNotFoundError
@@ -257,6 +310,8 @@ class KernelModule:
         ValueError
             An overloaded kernel, or a parameter cupylab cannot pass (reference, by-value
             struct without ``struct_formats``).
+        TypeError
+            ``name`` is not a string.
         """
         k = self._kernels.get(name)
         if k is not None:
@@ -273,7 +328,22 @@ class KernelModule:
         return k
 
     def __contains__(self, name):
-        """Whether ``module[name]`` would find a kernel."""
+        """Whether ``module[name]`` would find a kernel (``name in module``).
+
+        Parameters
+        ----------
+        name : str
+            As for :meth:`__getitem__`.
+
+        Returns
+        -------
+        bool
+            ``True`` when the name resolves to a kernel and a signature, ``False`` for
+            anything else (a name not found, a template named without its arguments, an
+            overloaded kernel, a name that is not a string). A kernel with a parameter
+            cupylab cannot pass (a reference) is "in" the module, although looking it up
+            raises ``ValueError``.
+        """
         try:
             self._resolve(name)
         except (KeyError, TypeError, ValueError):

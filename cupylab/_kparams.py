@@ -241,6 +241,10 @@ def _make_aggregate(ctype, spec):
 class Param:
     """One kernel parameter, resolved to what is passed.
 
+    Made by the signature scanner and :func:`parse_signature` (``Param()`` takes no
+    arguments; the parser fills the attributes); read them from
+    :attr:`Signature.params`.
+
     Attributes
     ----------
     index : int
@@ -272,6 +276,20 @@ class Param:
 
 class Signature:
     """The parameter list of one kernel instance.
+
+    Usually made by :func:`parse_signature` or read from :attr:`Kernel.signature`; a
+    Signature may also be given as a value of ``signatures=`` in :func:`load_kernels`.
+
+    Parameters
+    ----------
+    name : str
+        The name expression, used in messages.
+    params : iterable of Param
+        The parameters in order (stored as a tuple); :class:`Param` objects come from the
+        parser.
+    declared : bool, default False
+        Whether the signature was declared by the user rather than scanned from the
+        source.
 
     Attributes
     ----------

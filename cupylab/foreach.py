@@ -9,8 +9,10 @@ stay on the device: :func:`norm` (global L2), :func:`norms` (per array),
 whose host work is only its launches.
 
 Host work per call: lists of CuPy arrays and torch tensors are validated and packed once and
-found again by the identity of the arrays (plus, for torch, their data pointers), which costs a
-few tens of nanoseconds per array; :func:`prepare` removes even that.
+found again by the identity of the arrays (plus, for torch, their data pointers). That lookup
+still reads every array: measured on an H200 host, about 0.14 µs per torch tensor (about
+0.28 ms for a call over two lists of 1,000 tensors); CuPy arrays, whose data pointers are not
+read, cost less. :func:`prepare` removes even that.
 See :mod:`cupylab.ops.multi_tensor` for the rules every function shares.
 """
 from .ops.multi_tensor import (PreparedForeach, add, add_, axpy_, clip_by_global_norm_, copy_,

@@ -2,32 +2,28 @@
 
 Functional, framework-neutral: the caller owns the parameters, gradients and state arrays
 (``cupylab.torch.optim`` wraps these as drop-in ``torch.optim`` optimizers). Each function
-updates ``params`` and the state lists in place with torch's fused-optimizer math in float32
-(float64 for float64 params).
+updates ``params`` and the state lists in place with torch's fused-optimizer math, computed
+in float32 (float64 for float64 params), and returns ``None``.
 
-Common parameters
------------------
-lr : float or one-element float32 GPU array
-    A device array is read by the kernel (CUDA-graph capturable, changeable without a new
-    capture).
-found_inf : one-element float32 GPU array, optional
-    When nonzero, the kernels leave everything unchanged (mixed precision; no host sync).
-grad_scale : one-element float32 GPU array, optional
-    Gradients are divided by it on the fly (unscaling fused into the step).
-master_params : list of float32 GPU arrays, optional
-    fp32 master copies for bfloat16 / float16 params: the step updates the master copy and
-    writes its rounding into the param.
-stream : optional
-    Launch stream (default: the caller's current stream).
+The lists follow the rules of :mod:`cupylab.ops.multi_tensor` (one framework, one GPU,
+C-contiguous, the arrays at one position of the same shape; written arrays must not overlap
+any other array). Supported dtypes, per position:
 
-dtypes: params and grads float32, float64, bfloat16 or float16 (grads of the params' dtype);
-states of the params' dtype or float32 (float32 required with ``master_params``).
+===========  =====================  ==========================================
+params       states                 ``master_params``
+===========  =====================  ==========================================
+float32      float32                not allowed
+float64      float64                not allowed
+bfloat16     bfloat16 or float32    float32, only with float32 states
+float16      float16 or float32     float32, only with float32 states
+===========  =====================  ==========================================
 
-Raises
-------
-TypeError, ValueError
-    As the foreach operators (:mod:`cupylab.ops.multi_tensor`), plus unsupported dtype
-    combinations and bad hyper-parameters.
+Gradients have their param's dtype; the state arrays of one position share one dtype.
+
+Host scalars and device scalars: ``lr`` (and Adam's ``step``) may be Python numbers or
+one-element float32 GPU arrays that the kernel reads, which keeps a step capturable in a CUDA
+graph with values that change between replays; ``found_inf`` and ``grad_scale`` are always
+device arrays. Nothing synchronises the host.
 """
 from __future__ import annotations
 
@@ -40,6 +36,85 @@ from .ops import multi_tensor as F
 __all__ = ["adam_", "adamw_", "sgd_", "lion_", "increment_step_"]
 
 _COMBOS = {(p, s, m) for p, s, m in P.OPTIM_COMBOS}
+
+
+# Docstring pieces of the optimizer steps (with those of cupylab.ops.multi_tensor).
+_DOC_PIECES = {**F._DOC_PIECES, **{
+    "{lr_param}": """\
+lr : int, float or one-element float32 GPU array
+    The learning rate. A Python number must be finite and >= 0. A device array (on the
+    params' GPU, any framework) is read by the kernel: not checked, capturable, and free
+    to change between CUDA graph replays.""",
+    "{tail_params}": """\
+maximize : bool, default False
+    Step along the gradient instead of against it (the gradient is negated first).
+master_params : list or tuple of float32 GPU arrays, optional
+    Written: one float32 master copy per param, for bfloat16 / float16 params with float32
+    states. The step updates the master copy and writes its rounding to the param (the
+    param's old value is not read).
+found_inf : one-element float32 GPU array, optional
+    Read by the kernels: when it holds a nonzero value, they leave every array unchanged
+    (a skipped mixed-precision step, decided on the device).
+grad_scale : one-element float32 GPU array, optional
+    Read by the kernels: every gradient is divided by it on the fly (unscaling fused into
+    the step; the ``grads`` arrays are not written). A value of 0 means no scaling.""",
+    "{optim_type_errors}": """\
+``grads[i]`` of another dtype than ``params[i]``; state arrays of one position with
+different dtypes; a dtype combination outside the table of :mod:`cupylab.optim`
+(``master_params`` not float32, or given for float32 / float64 params or 16-bit
+states); a device ``lr``, ``found_inf`` or ``grad_scale`` (or Adam's device ``step``)
+that is not a one-element float32 GPU array, or an ``lr`` that is neither a Python
+number nor a GPU array (``bool``, NumPy scalars other than ``numpy.float64``).""",
+    "{adam_list_params}": """\
+params : list or tuple of GPU arrays
+    Written in place: float16, bfloat16, float32 or float64, C-contiguous.
+grads : list or tuple of GPU arrays
+    Read: ``grads[i]`` of the shape and dtype of ``params[i]``.
+exp_avgs, exp_avg_sqs : list or tuple of GPU arrays
+    Written: the first and second moments, of the params' shapes; at one position both
+    of one dtype from the table of :mod:`cupylab.optim`.""",
+    "{step_param}": """\
+step : int, float or one-element float32 GPU array
+    The number of this update, 1 for the first, for the bias corrections. A Python number
+    must be finite and >= 1; the corrections are then computed on the host in float64. A
+    device array (on the params' GPU) is read by the kernel, which computes the
+    corrections from it in float64: not checked, capturable, advanced on the device by
+    :func:`increment_step_`.""",
+    "{beta_params}": """\
+beta1 : float, default 0.9
+    Decay of the first moment; a finite Python number in [0, 1).
+beta2 : float, default 0.999
+    Decay of the second moment; a finite Python number in [0, 1).""",
+    "{adam_raises}": """\
+TypeError
+    {optim_type_errors}
+    {list_type_errors}
+ValueError
+    ``eps`` or ``weight_decay`` not a finite Python number >= 0, ``beta1`` or ``beta2``
+    not a finite Python number in [0, 1) (``bool`` included; these are checked before
+    the lists); a number ``lr`` that is negative or not finite; a number ``step`` below 1
+    or not finite (checked only when the lists are not empty).
+    {optim_value_errors}
+    {list_value_errors}
+{runtime_errors}""",
+    "{optim_value_errors}": """\
+A device ``lr``, ``found_inf``, ``grad_scale`` or ``step`` on another GPU than the
+lists.""",
+    "{optim_notes}": """\
+The hyper-parameters are checked before the lists, even when the lists are empty (then
+nothing else happens); the device scalars are checked only when there is something to
+update. Launches go to ``stream``, one per group of positions with the same dtypes, and
+nothing synchronises the host. As for :mod:`cupylab.foreach`, CuPy and torch lists are
+checked and packed on the first call and found in a cache afterwards (by the identity of
+the arrays and, for torch, their data pointers): new gradient arrays at every step mean
+a new check and table upload at every step. :func:`cupylab.foreach.prepare` can freeze
+a step (Python-number hyper-parameters, a number ``step`` included, are then frozen
+too).""",
+}}
+
+
+def _doc(f):
+    return F._fill_doc(f, _DOC_PIECES)
 
 
 def _check_combo(opname, plan, state_slots, master_slot):
@@ -121,25 +196,45 @@ def adam_launch(opname, plan, s, *, lr, beta1, beta2, eps, weight_decay, step, a
         P.launch(plan, kern.__getitem__, args, s)
 
 
+@_doc
 def adam_(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8,
           weight_decay=0.0, maximize=False, master_params=None, found_inf=None,
           grad_scale=None, adamw=False, stream=None):
-    """One Adam step (AdamW with ``adamw=True``) over lists, in place.
+    """One Adam step over lists, in place (AdamW with ``adamw=True``).
+
+    Per element, as ``torch.optim.Adam(fused=True)``: ``g = grad / grad_scale`` (when
+    given), negated with ``maximize``; ``g += weight_decay * p`` (L2; with ``adamw=True``
+    instead ``p -= lr * weight_decay * p``); ``m = beta1 * m + (1 - beta1) * g``;
+    ``v = beta2 * v + (1 - beta2) * g * g``; ``p -= lr / (1 - beta1 ** step) * m /
+    (sqrt(v) / sqrt(1 - beta2 ** step) + eps)``.
 
     Parameters
     ----------
-    params, grads, exp_avgs, exp_avg_sqs : lists of GPU arrays
-        Same length and shapes; ``params``, the two state lists (and ``master_params``) are
-        written.
-    lr : float or one-element float32 GPU array
-    step : int or one-element float32 GPU array
-        The number of this update (1 for the first), for the bias corrections. A device array
-        is read by the kernel (capturable); :func:`increment_step_` advances it on the device.
-    beta1, beta2, eps, weight_decay : float
-        ``weight_decay`` is L2 (added to the gradient) for Adam, decoupled for AdamW.
-    maximize : bool
-    master_params, found_inf, grad_scale, stream
-        See the module docstring.
+    {adam_list_params}
+    {lr_param}
+    {step_param}
+    {beta_params}
+    eps : float, default 1e-8
+        Added to the denominator; a finite Python number >= 0.
+    weight_decay : float, default 0.0
+        L2 penalty added to the gradient (decoupled, as AdamW, with ``adamw=True``); a
+        finite Python number >= 0.
+    {tail_params}
+    adamw : bool, default False
+        Decoupled weight decay (AdamW): what :func:`adamw_` passes.
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    {adam_raises}
+
+    Notes
+    -----
+    {optim_notes}
     """
     name = "adamw_" if adamw else "adam_"
     _check_pos(name, eps=eps, weight_decay=weight_decay)
@@ -155,11 +250,44 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta2=0.
                     found_inf=found_inf, grad_scale=grad_scale)
 
 
+@_doc
 def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8,
            weight_decay=1e-2, maximize=False, master_params=None, found_inf=None,
            grad_scale=None, stream=None):
-    """One AdamW step (decoupled weight decay: ``p *= 1 - lr * weight_decay``). See
-    :func:`adam_`."""
+    """One AdamW step over lists, in place: Adam with decoupled weight decay.
+
+    Per element, as ``torch.optim.AdamW(fused=True)``: ``g = grad / grad_scale`` (when
+    given), negated with ``maximize``; ``p *= 1 - lr * weight_decay``;
+    ``m = beta1 * m + (1 - beta1) * g``; ``v = beta2 * v + (1 - beta2) * g * g``;
+    ``p -= lr / (1 - beta1 ** step) * m / (sqrt(v) / sqrt(1 - beta2 ** step) + eps)``.
+    The same as ``adam_(..., adamw=True)``, with AdamW's default ``weight_decay``.
+
+    Parameters
+    ----------
+    {adam_list_params}
+    {lr_param}
+    {step_param}
+    {beta_params}
+    eps : float, default 1e-8
+        Added to the denominator; a finite Python number >= 0.
+    weight_decay : float, default 1e-2
+        Decoupled weight decay (the param shrinks by ``lr * weight_decay`` of itself before
+        the Adam update); a finite Python number >= 0.
+    {tail_params}
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    {adam_raises}
+
+    Notes
+    -----
+    {optim_notes}
+    """
     adam_(params, grads, exp_avgs, exp_avg_sqs, lr=lr, step=step, beta1=beta1, beta2=beta2,
           eps=eps, weight_decay=weight_decay, maximize=maximize, master_params=master_params,
           found_inf=found_inf, grad_scale=grad_scale, adamw=True, stream=stream)
@@ -178,23 +306,76 @@ def sgd_launch(opname, plan, s, *, lr, momentum, dampening, weight_decay, nester
         P.launch(plan, kern.__getitem__, args, s)
 
 
+@_doc
 def sgd_(params, grads, momentum_buffers=None, *, lr, momentum=0.0, dampening=0.0,
          weight_decay=0.0, nesterov=False, maximize=False, first_step=False,
          master_params=None, found_inf=None, grad_scale=None, stream=None):
-    """One SGD step (torch.optim.SGD's math) over lists, in place.
+    """One SGD step over lists, in place, with torch.optim.SGD's math.
+
+    Per element: ``g = grad / grad_scale`` (when given), negated with ``maximize``;
+    ``g += weight_decay * p``; with momentum, ``buf = g`` on the first step and
+    ``buf = momentum * buf + (1 - dampening) * g`` afterwards, then ``g = g + momentum *
+    buf`` (Nesterov) or ``g = buf``; finally ``p -= lr * g``.
 
     Parameters
     ----------
-    params, grads : lists of GPU arrays
-    momentum_buffers : list of GPU arrays, optional
-        Required when ``momentum`` is nonzero; on the ``first_step`` they are set to the
-        gradient (torch's first-step rule), later ``buf = momentum * buf + (1 - dampening) *
-        grad``.
-    lr : float or one-element float32 GPU array
-    momentum, dampening, weight_decay : float
-    nesterov, maximize, first_step : bool
-    master_params, found_inf, grad_scale, stream
-        See the module docstring.
+    params : list or tuple of GPU arrays
+        Written in place: float16, bfloat16, float32 or float64, C-contiguous.
+    grads : list or tuple of GPU arrays
+        Read: ``grads[i]`` of the shape and dtype of ``params[i]``.
+    momentum_buffers : list or tuple of GPU arrays, optional
+        Written: the momentum buffers, of the params' shapes, in a dtype of the table of
+        :mod:`cupylab.optim`. Required when ``momentum`` is nonzero, ignored (not even
+        checked) when it is 0.
+    {lr_param}
+    momentum : float, default 0.0
+        A finite Python number >= 0 (not limited to below 1).
+    dampening : float, default 0.0
+        Scales the gradient's share of the buffer by ``1 - dampening`` (not on the first
+        step); a finite Python number >= 0.
+    weight_decay : float, default 0.0
+        L2 penalty added to the gradient; a finite Python number >= 0.
+    nesterov : bool, default False
+        Nesterov momentum; needs ``momentum > 0`` and ``dampening == 0``.
+    maximize : bool, default False
+        Step along the gradient instead of against it.
+    first_step : bool, default False
+        The buffers' first step: set them to the gradient instead of updating them
+        (torch's rule for new buffers). With ``dampening == 0`` a zeroed buffer gives the
+        same result either way.
+    master_params : list or tuple of float32 GPU arrays, optional
+        Written: one float32 master copy per param, for bfloat16 / float16 params (with
+        float32 momentum buffers when there are any). The step updates the master copy
+        and writes its rounding to the param.
+    found_inf : one-element float32 GPU array, optional
+        Read by the kernels: when it holds a nonzero value, they leave every array
+        unchanged.
+    grad_scale : one-element float32 GPU array, optional
+        Read by the kernels: every gradient is divided by it on the fly (the ``grads``
+        arrays are not written). A value of 0 means no scaling.
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        {optim_type_errors}
+        {list_type_errors}
+    ValueError
+        ``momentum``, ``dampening`` or ``weight_decay`` not a finite Python number >= 0
+        (``bool`` included); a number ``lr`` that is negative or not finite; a nonzero
+        ``momentum`` without ``momentum_buffers``; ``nesterov`` with ``momentum <= 0`` or
+        ``dampening != 0``.
+        {optim_value_errors}
+        {list_value_errors}
+    {runtime_errors}
+
+    Notes
+    -----
+    {optim_notes}
     """
     _check_pos("sgd_", momentum=momentum, dampening=dampening, weight_decay=weight_decay)
     _check_lr("sgd_", lr)
@@ -225,11 +406,56 @@ def lion_launch(opname, plan, s, *, lr, beta1, beta2, weight_decay, maximize, fo
         P.launch(plan, kern.__getitem__, args, s)
 
 
+@_doc
 def lion_(params, grads, exp_avgs, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
           maximize=False, master_params=None, found_inf=None, grad_scale=None, stream=None):
-    """One Lion step (Chen et al., 2023: ``p -= lr * (sign(beta1 * m + (1 - beta1) * g) +
-    weight_decay * p)``, then ``m = beta2 * m + (1 - beta2) * g``) over lists, in place.
-    See the module docstring for the common parameters."""
+    """One Lion step over lists, in place (Chen et al., 2023).
+
+    Per element: ``g = grad / grad_scale`` (when given), negated with ``maximize``;
+    ``p = p * (1 - lr * weight_decay) - lr * sign(beta1 * m + (1 - beta1) * g)``; then
+    ``m = beta2 * m + (1 - beta2) * g``.
+
+    Parameters
+    ----------
+    params : list or tuple of GPU arrays
+        Written in place: float16, bfloat16, float32 or float64, C-contiguous.
+    grads : list or tuple of GPU arrays
+        Read: ``grads[i]`` of the shape and dtype of ``params[i]``.
+    exp_avgs : list or tuple of GPU arrays
+        Written: the momentum ``m``, of the params' shapes, in a dtype of the table of
+        :mod:`cupylab.optim`.
+    {lr_param}
+    beta1 : float, default 0.9
+        Interpolation between momentum and gradient for the update's sign; a finite Python
+        number in [0, 1).
+    beta2 : float, default 0.99
+        Decay of the momentum; a finite Python number in [0, 1).
+    weight_decay : float, default 0.0
+        Decoupled weight decay; a finite Python number >= 0.
+    {tail_params}
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        {optim_type_errors}
+        {list_type_errors}
+    ValueError
+        ``weight_decay`` not a finite Python number >= 0; ``beta1`` or ``beta2`` not a
+        finite Python number in [0, 1) (``bool`` included); a number ``lr`` that is
+        negative or not finite.
+        {optim_value_errors}
+        {list_value_errors}
+    {runtime_errors}
+
+    Notes
+    -----
+    {optim_notes}
+    """
     _check_pos("lion_", weight_decay=weight_decay)
     _check_betas("lion_", beta1=beta1, beta2=beta2)
     _check_lr("lion_", lr)
@@ -242,14 +468,42 @@ def lion_(params, grads, exp_avgs, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.
                     maximize=maximize, found_inf=found_inf, grad_scale=grad_scale)
 
 
+@_doc
 def increment_step_(step, found_inf=None, *, stream=None):
-    """``step += 1`` on the device unless ``found_inf`` is nonzero (capturable step counters).
+    """Add 1 to a step counter on the device, unless ``found_inf`` is nonzero.
+
+    The capturable companion of :func:`adam_`'s device ``step``: call it before each step
+    (torch's order: the first update sees ``step == 1``). The kernel reads ``found_inf``,
+    so a skipped mixed-precision step does not count, without a host synchronisation.
 
     Parameters
     ----------
-    step : float32 GPU array (any number of elements, contiguous)
+    step : float32 GPU array
+        Written in place: every element is incremented. Any number of elements,
+        C-contiguous, writable (not a JAX array), any framework.
     found_inf : one-element float32 GPU array, optional
-    stream : optional
+        On ``step``'s GPU; when it holds a nonzero value, ``step`` is left unchanged.
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        ``step`` not a GPU array, or not float32; a ``found_inf`` that is not a
+        one-element float32 GPU array; a ``stream`` that is neither an int nor a stream.
+    ValueError
+        ``step`` not C-contiguous or read-only; ``found_inf`` on another GPU; a negative
+        ``stream`` handle.
+    {runtime_errors}
+
+    Notes
+    -----
+    One launch of one block; nothing synchronises the host. It can be prepared
+    (:func:`cupylab.foreach.prepare`) and captured in a CUDA graph once ``step`` has been
+    used outside the capture.
     """
     plan, s = F.resolve("increment_step_", ["step"], [[step]], 1, stream=stream)
     with _launch.ensure_device(plan.device):

@@ -9,9 +9,11 @@ otherwise) or ``stream=``; nothing synchronises the host, and the norms, the cli
 
 Rules for every function: arrays C-contiguous, float16 / bfloat16 / float32 / float64, the
 arrays at one position of every list of the same shape and dtype (``copy_`` converts), all on
-one device, all from one framework; a written array may be the same array as the one it is
-computed from at its own position (in place), and must not overlap any other array of the
-call. Empty lists are a no-op; empty arrays are skipped.
+one device, all from one framework; torch tensors must not require grad (pass
+``p.detach()``); a written array may be the same array as the one it is computed from at its
+own position (in place), and must not overlap any other array of the call. Empty lists are a
+no-op; empty arrays are skipped. Arithmetic runs in float32 for 16-bit and float32 arrays, in
+float64 for float64 arrays.
 """
 from __future__ import annotations
 
@@ -323,42 +325,212 @@ def _out_of_place(opname, xs, other, out, stream, list_op, scalar_op, alpha=None
     return out
 
 
+# -- docstrings ----------------------------------------------------------------------------------
+# Pieces shared by the docstrings of the public functions (here and in cupylab.optim): a line of
+# a docstring that holds only one of these keys is replaced by its text, indented like the key.
+_DOC_PIECES = {
+    "{list_type_errors}": """\
+A list argument that is not a list or tuple; an element that is not a GPU array (host
+data such as a NumPy array or a CPU tensor, a Dask array, any other object); a torch
+tensor that requires grad, is sparse or has a lazy conj/neg bit; a dtype other than
+float16, bfloat16, float32 or float64; arrays of two frameworks in one call; a
+``stream`` that is neither an int nor a stream object.""",
+    "{list_value_errors}": """\
+Lists of different lengths; two arrays at one position with different shapes; an array
+that is not C-contiguous; a written array that is read-only (a JAX array, a read-only
+CUDA Array Interface or DLPack array); arrays on more than one GPU; a written array that
+shares memory with another array of the call, except the one at its own position of a
+list that is only read (in place); a CUDA Array Interface array with byte strides that
+are not a multiple of its item size or a misaligned data pointer; a negative ``stream``
+handle.""",
+    "{runtime_errors}": """\
+RuntimeError
+    A list seen for the first time during a CUDA graph capture: its launch table is
+    uploaded on first use, which a capture does not allow. Run the call once before
+    capturing.
+cupylab.NoGPUError
+    CuPy cannot be imported, or it finds no usable CUDA GPU.""",
+    "{stream_param}": """\
+stream : int or stream object, optional
+    The launch stream: a ``cudaStream_t`` handle (0 is the legacy default stream), a CuPy
+    or torch stream, or an object with ``__cuda_stream__``. Default: the current stream of
+    the arrays' framework (torch's for torch tensors, CuPy's for every other kind).""",
+    "{launch_notes}": """\
+One launch per group of positions whose arrays have the same dtypes, on ``stream``;
+nothing synchronises the host. The first call with given CuPy or torch lists checks them
+and uploads their launch table; later calls with the same arrays (same objects and, for
+torch, the same data pointers) find the table in a cache and skip the checks. Lists of
+other frameworks are checked on every call. Inside a CUDA graph capture, only lists that
+were used before the capture can be launched.""",
+    "{alloc_notes}": """\
+With ``out=None`` the outputs are new arrays on every call, so every call also checks the
+lists and builds and uploads a new launch table: in a loop pass ``out=`` (or use
+:func:`prepare`); inside a CUDA graph capture ``out=`` is required (the new table cannot
+be uploaded there).""",
+}
+
+
+def _fill_doc(f, pieces=None):
+    """Replace the keys of ``pieces`` (default :data:`_DOC_PIECES`) in ``f``'s docstring,
+    each alone on its line, by their text (which may hold keys in turn), indented like the
+    key; returns ``f`` itself (a decorator). Changes nothing but ``f.__doc__``."""
+    if f.__doc__ is None:  # python -OO
+        return f
+    if pieces is None:
+        pieces = _DOC_PIECES
+
+    def expand(text, depth=0):
+        out = []
+        for line in text.split("\n"):
+            piece = pieces.get(line.strip())
+            if piece is None or depth > 4:
+                out.append(line)
+                continue
+            indent = line[:len(line) - len(line.lstrip())]
+            out += [indent + t if t else "" for t in expand(piece, depth + 1)]
+        return out
+
+    f.__doc__ = "\n".join(expand(f.__doc__))
+    return f
+
+
 # -- public operators ----------------------------------------------------------------------------
+@_fill_doc
 def add_(tensors, other, *, alpha=1.0, stream=None):
-    """In place ``tensors[i] += alpha * other[i]`` (``other`` a list) or ``+= other`` (a number).
+    """Add a list (times ``alpha``) or a number to every array of a list, in place.
+
+    ``tensors[i] += alpha * other[i]`` when ``other`` is a list; ``tensors[i] += other``
+    when it is a number (``alpha`` is then not used).
 
     Parameters
     ----------
-    tensors : list of GPU arrays
-        Written in place.
-    other : list of GPU arrays or float
-        Same length, shapes and dtypes as ``tensors``.
-    alpha : float
-        Multiplier of ``other`` when it is a list.
-    stream : stream, optional
-        Launch stream (default: the caller's current stream).
+    tensors : list or tuple of GPU arrays
+        Written in place: float16, bfloat16, float32 or float64, C-contiguous, any shapes.
+    other : list or tuple of GPU arrays, or int or float
+        A list has the length of ``tensors``, and ``other[i]`` the shape and dtype of
+        ``tensors[i]`` (it may be ``tensors[i]`` itself). A number must be a Python ``int``
+        or ``float`` (a ``numpy.float64`` passes, being a float; ``bool``, other NumPy
+        scalars and device arrays do not) and is used as it is, inf and NaN included.
+    alpha : float, default 1.0
+        Multiplier of a list ``other``, converted with ``float()`` and not checked further.
+    {stream_param}
+
+    Returns
+    -------
+    None
 
     Raises
     ------
     TypeError
-        Not lists, host arrays, unsupported or mismatched dtypes, mixed frameworks.
+        ``other`` neither a list or tuple nor a Python number; ``other[i]`` of another
+        dtype than ``tensors[i]``; an ``alpha`` that ``float()`` refuses.
+        {list_type_errors}
     ValueError
-        Different lengths or shapes, non-contiguous or read-only arrays, overlapping arrays,
-        arrays on different GPUs.
+        {list_value_errors}
+    OverflowError
+        A Python ``int`` ``other`` too large for a float64.
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
     """
     _binary("foreach.add_", tensors, other, None, stream, "add", "add_scalar", alpha)
 
 
+@_fill_doc
 def add(tensors, other, *, alpha=1.0, out=None, stream=None):
-    """``tensors[i] + alpha * other[i]`` (or ``+ other`` for a number) into ``out`` (a list,
-    allocated in the caller's framework when not given). Returns the output list. Parameters
-    and errors as :func:`add_`; ``out[i]`` may be ``tensors[i]``."""
+    """Sum of a list and a list (times ``alpha``) or a number, into an output list.
+
+    ``out[i] = tensors[i] + alpha * other[i]`` when ``other`` is a list,
+    ``out[i] = tensors[i] + other`` when it is a number (``alpha`` is then not used).
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        float16, bfloat16, float32 or float64, C-contiguous, any shapes.
+    other : list or tuple of GPU arrays, or int or float
+        As for :func:`add_`: a list of the arrays' length, shapes and dtypes, or a Python
+        ``int`` or ``float``.
+    alpha : float, default 1.0
+        Multiplier of a list ``other``, converted with ``float()``.
+    out : list or tuple of GPU arrays, optional
+        Written: ``out[i]`` of the shape and dtype of ``tensors[i]``, from the same
+        framework. ``out[i]`` may be ``tensors[i]`` or ``other[i]`` (in place) but must not
+        overlap any other array of the call. Default: new arrays.
+    {stream_param}
+
+    Returns
+    -------
+    list or tuple of GPU arrays
+        ``out`` itself when given. Otherwise a new list of new C-contiguous arrays, one per
+        input, in the inputs' framework (torch tensors for torch, CuPy arrays for CuPy,
+        JAX arrays for JAX, Numba device arrays for Numba, CuPy arrays for other CUDA Array
+        Interface or DLPack producers); an empty ``tensors`` gives ``[]``.
+
+    Raises
+    ------
+    TypeError
+        ``tensors`` not a list or tuple; ``other`` neither a list or tuple nor a Python
+        number; ``other[i]`` or ``out[i]`` of another dtype than ``tensors[i]``; an
+        ``alpha`` that ``float()`` refuses.
+        {list_type_errors}
+    ValueError
+        {list_value_errors}
+    OverflowError
+        A Python ``int`` ``other`` too large for a float64.
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+
+    {alloc_notes}
+    """
     return _out_of_place("foreach.add", tensors, other, out, stream, "add", "add_scalar", alpha)
 
 
+@_fill_doc
 def axpy_(alpha, x, y, *, stream=None):
-    """BLAS axpy over lists: ``y[i] += alpha * x[i]`` in one launch; ``x`` a list, or a
-    number (then ``y[i] += alpha * x``). See :func:`add_`."""
+    """BLAS axpy over lists: ``y[i] += alpha * x[i]``, in place, in one launch per dtype.
+
+    ``x`` may also be a number: then ``y[i] += alpha * x`` (the product is formed on the
+    host, in Python).
+
+    Parameters
+    ----------
+    alpha : float
+        The multiplier. With a list ``x`` it is converted with ``float()`` and not checked
+        further; with a number ``x`` it must be a Python ``int`` or ``float``.
+    x : list or tuple of GPU arrays, or int or float
+        A list of the length of ``y``, ``x[i]`` of the shape and dtype of ``y[i]`` (it may
+        be ``y[i]`` itself); or a Python ``int`` or ``float``.
+    y : list or tuple of GPU arrays
+        Written in place: float16, bfloat16, float32 or float64, C-contiguous. Error
+        messages call it ``tensors`` (and ``x`` ``other``), as :func:`add_` does.
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        ``x`` neither a list or tuple nor a Python number; a number ``x`` with an ``alpha``
+        that is not a Python number; ``x[i]`` of another dtype than ``y[i]``; with a list
+        ``x``, an ``alpha`` that ``float()`` refuses.
+        {list_type_errors}
+    ValueError
+        {list_value_errors}
+    OverflowError
+        ``alpha * x`` (numbers) or a Python ``int`` too large for a float64.
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+    """
     if _is_scalar(x):  # a number: alpha * x is the scalar added (alpha was dropped)
         if not _is_scalar(alpha):
             raise TypeError(f"foreach.axpy_: alpha must be a Python number (got {alpha!r})")
@@ -366,21 +538,136 @@ def axpy_(alpha, x, y, *, stream=None):
     _binary("foreach.axpy_", y, x, None, stream, "add", "add_scalar", alpha)
 
 
+@_fill_doc
 def mul_(tensors, other, *, stream=None):
-    """In place ``tensors[i] *= other[i]`` (a list) or ``*= other`` (a number). See
-    :func:`add_` for the rules and errors."""
+    """Multiply every array of a list by a list or a number, in place.
+
+    ``tensors[i] *= other[i]`` when ``other`` is a list, ``tensors[i] *= other`` when it is
+    a number.
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        Written in place: float16, bfloat16, float32 or float64, C-contiguous, any shapes.
+    other : list or tuple of GPU arrays, or int or float
+        A list has the length of ``tensors``, and ``other[i]`` the shape and dtype of
+        ``tensors[i]`` (it may be ``tensors[i]`` itself). A number must be a Python ``int``
+        or ``float`` (``bool``, NumPy scalars other than ``numpy.float64`` and device
+        arrays are refused; see :func:`scale_` for a factor on the device).
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        ``other`` neither a list or tuple nor a Python number; ``other[i]`` of another
+        dtype than ``tensors[i]``.
+        {list_type_errors}
+    ValueError
+        {list_value_errors}
+    OverflowError
+        A Python ``int`` ``other`` too large for a float64.
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+    """
     _binary("foreach.mul_", tensors, other, None, stream, "mul", "mul_scalar")
 
 
+@_fill_doc
 def mul(tensors, other, *, out=None, stream=None):
-    """``tensors[i] * other[i]`` (or ``* other``) into ``out`` (allocated when not given).
-    Returns the output list. See :func:`add_`."""
+    """Product of a list and a list or a number, into an output list.
+
+    ``out[i] = tensors[i] * other[i]`` when ``other`` is a list, ``out[i] = tensors[i] *
+    other`` when it is a number.
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        float16, bfloat16, float32 or float64, C-contiguous, any shapes.
+    other : list or tuple of GPU arrays, or int or float
+        As for :func:`mul_`: a list of the arrays' length, shapes and dtypes, or a Python
+        ``int`` or ``float``.
+    out : list or tuple of GPU arrays, optional
+        Written: ``out[i]`` of the shape and dtype of ``tensors[i]``, from the same
+        framework. ``out[i]`` may be ``tensors[i]`` or ``other[i]`` (in place) but must not
+        overlap any other array of the call. Default: new arrays.
+    {stream_param}
+
+    Returns
+    -------
+    list or tuple of GPU arrays
+        ``out`` itself when given. Otherwise a new list of new arrays in the inputs'
+        framework (CuPy arrays for CUDA Array Interface or DLPack producers other than
+        torch, JAX and Numba), as :func:`add` returns; an empty ``tensors`` gives ``[]``.
+
+    Raises
+    ------
+    TypeError
+        ``tensors`` not a list or tuple; ``other`` neither a list or tuple nor a Python
+        number; ``other[i]`` or ``out[i]`` of another dtype than ``tensors[i]``.
+        {list_type_errors}
+    ValueError
+        {list_value_errors}
+    OverflowError
+        A Python ``int`` ``other`` too large for a float64.
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+
+    {alloc_notes}
+    """
     return _out_of_place("foreach.mul", tensors, other, out, stream, "mul", "mul_scalar")
 
 
+@_fill_doc
 def scale_(tensors, factor, *, stream=None):
-    """In place ``tensors[i] *= factor``; ``factor`` a number or a one-element float32 GPU
-    array read by the kernel (no host synchronisation; CUDA-graph safe). See :func:`add_`."""
+    """Multiply every array of a list by one factor, in place: ``tensors[i] *= factor``.
+
+    The factor may live on the device: the kernel reads it there, so neither the call nor
+    a CUDA graph that captured it needs its value on the host, and a graph replay uses the
+    value the array holds at that time.
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        Written in place: float16, bfloat16, float32 or float64, C-contiguous, any shapes.
+    factor : int, float or one-element float32 GPU array
+        A Python number (then the call is :func:`mul_`, whose name its error messages
+        carry), or a one-element float32 array of any framework on the arrays' GPU.
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        A device ``factor`` that is not a one-element float32 array; a ``factor`` that is
+        neither a Python number nor a GPU array (``bool``, a NumPy scalar other than
+        ``numpy.float64``, host data).
+        {list_type_errors}
+    ValueError
+        A device ``factor`` on another GPU than the arrays.
+        {list_value_errors}
+    OverflowError
+        A Python ``int`` ``factor`` too large for a float64.
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+
+    A device ``factor`` is checked only when ``tensors`` is not empty.
+    """
     if _is_scalar(factor):
         return mul_(tensors, factor, stream=stream)
     plan, s = resolve("foreach.scale_", ["tensors"], [tensors], 1, stream=stream)
@@ -392,9 +679,46 @@ def scale_(tensors, factor, *, stream=None):
     return None
 
 
+@_fill_doc
 def lerp_(tensors, ends, weight, *, stream=None):
-    """In place ``tensors[i] += weight * (ends[i] - tensors[i])`` (torch's lerp formula, which
-    is exact at ``weight`` 0 and 1). See :func:`add_`."""
+    """Linear interpolation towards a second list, in place.
+
+    ``tensors[i] += weight * (ends[i] - tensors[i])``, computed with torch's formula for
+    ``torch.lerp`` (``ends[i] - (ends[i] - tensors[i]) * (1 - weight)`` when ``|weight| >=
+    0.5``), which is exact at ``weight`` 0 and 1.
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        Written in place: float16, bfloat16, float32 or float64, C-contiguous, any shapes.
+    ends : list or tuple of GPU arrays
+        Read: the length of ``tensors``, ``ends[i]`` of the shape and dtype of
+        ``tensors[i]``.
+    weight : int or float
+        A Python number (``bool`` and NumPy scalars other than ``numpy.float64`` are
+        refused); not limited to [0, 1] and not checked for finiteness.
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        ``weight`` not a Python number (checked first); ``ends[i]`` of another dtype than
+        ``tensors[i]``.
+        {list_type_errors}
+    ValueError
+        {list_value_errors}
+    OverflowError
+        A Python ``int`` ``weight`` too large for a float64.
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+    """
     if not _is_scalar(weight):
         raise TypeError(f"foreach.lerp_: weight must be a Python number (got {type(weight)})")
     plan, s = resolve("foreach.lerp_", ["tensors", "ends"], [tensors, ends], 1, stream=stream)
@@ -403,9 +727,52 @@ def lerp_(tensors, ends, weight, *, stream=None):
             P.launch(plan, _ew_kernel("lerp", True), _args((weight,)), s)
 
 
+@_fill_doc
 def lerp(tensors, ends, weight, *, out=None, stream=None):
-    """``tensors[i] + weight * (ends[i] - tensors[i])`` into ``out`` (allocated when not
-    given). Returns the output list. See :func:`lerp_`."""
+    """Linear interpolation between two lists, into an output list.
+
+    ``out[i] = tensors[i] + weight * (ends[i] - tensors[i])``, with torch's formula (see
+    :func:`lerp_`).
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        float16, bfloat16, float32 or float64, C-contiguous, any shapes.
+    ends : list or tuple of GPU arrays
+        The length of ``tensors``, ``ends[i]`` of the shape and dtype of ``tensors[i]``.
+    weight : int or float
+        A Python number, as for :func:`lerp_`.
+    out : list or tuple of GPU arrays, optional
+        Written: ``out[i]`` of the shape and dtype of ``tensors[i]``, from the same
+        framework; it may be ``tensors[i]`` or ``ends[i]`` but must not overlap any other
+        array of the call. Default: new arrays.
+    {stream_param}
+
+    Returns
+    -------
+    list or tuple of GPU arrays
+        ``out`` itself when given; otherwise a new list of new arrays in the inputs'
+        framework, as :func:`add` returns. An empty ``tensors`` returns a new empty list
+        ``[]``, even when ``out`` is given (``ends`` and ``out`` are then not looked at).
+
+    Raises
+    ------
+    TypeError
+        ``weight`` not a Python number (checked first); ``tensors`` not a list or tuple;
+        ``ends[i]`` or ``out[i]`` of another dtype than ``tensors[i]``.
+        {list_type_errors}
+    ValueError
+        {list_value_errors}
+    OverflowError
+        A Python ``int`` ``weight`` too large for a float64.
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+
+    {alloc_notes}
+    """
     if not _is_scalar(weight):
         raise TypeError(f"foreach.lerp: weight must be a Python number (got {type(weight)})")
     if type(tensors) not in (list, tuple):
@@ -426,9 +793,38 @@ def lerp(tensors, ends, weight, *, out=None, stream=None):
     return _finish_list(plan, out, s) if fresh else out
 
 
+@_fill_doc
 def copy_(dst, src, *, stream=None):
-    """``dst[i][...] = src[i]``, converting dtypes (float16, bfloat16, float32, float64 in any
-    combination), in one launch per dtype pair. See :func:`add_`."""
+    """Copy a list into another, converting dtypes: ``dst[i][...] = src[i]``.
+
+    Any combination of float16, bfloat16, float32 and float64 (values go through float64,
+    then are rounded to ``dst[i]``'s dtype), in one launch per pair of dtypes.
+
+    Parameters
+    ----------
+    dst : list or tuple of GPU arrays
+        Written: float16, bfloat16, float32 or float64, C-contiguous.
+    src : list or tuple of GPU arrays
+        Read: the length of ``dst``, ``src[i]`` of the shape of ``dst[i]`` and any of the
+        four dtypes.
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        {list_type_errors}
+    ValueError
+        {list_value_errors}
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+    """
     plan, s = resolve("foreach.copy_", ["dst", "src"], [dst, src], 1, same_dtype=(), stream=stream)
     if plan is not None:
         with _launch.ensure_device(plan.device):
@@ -436,8 +832,32 @@ def copy_(dst, src, *, stream=None):
                      P.NO_ARGS, s)
 
 
+@_fill_doc
 def zero_(tensors, *, stream=None):
-    """``tensors[i][...] = 0`` in one launch per dtype. See :func:`add_`."""
+    """Set every element of every array of a list to zero, in place: ``tensors[i][...] = 0``.
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        Written: float16, bfloat16, float32 or float64, C-contiguous, any shapes.
+    {stream_param}
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        {list_type_errors}
+    ValueError
+        {list_value_errors}
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+    """
     plan, s = resolve("foreach.zero_", ["tensors"], [tensors], 1, stream=stream)
     if plan is not None:
         with _launch.ensure_device(plan.device):
@@ -476,29 +896,44 @@ def _new(plan, shape, dt, s, stream):
     return allocate(kind, shape, dt, plan.device, None if stream is None else s)
 
 
+@_fill_doc
 def norm(tensors, *, stream=None):
     """The L2 norm of all the arrays together, ``sqrt(sum_i sum(tensors[i] ** 2))``.
 
-    One launch per dtype group (each block a chunk's sum of squares) and one small finishing
-    kernel that adds the partial sums in a fixed order (deterministic run to run). The result
+    One launch per dtype group (each block a chunk's sum of squares, accumulated in float32
+    for 16-bit and float32 arrays, float64 for float64) and one small finishing kernel that
+    adds the partial sums in float64 in a fixed order (deterministic run to run). The result
     stays on the device: nothing synchronises the host.
 
     Parameters
     ----------
-    tensors : list of GPU arrays
-    stream : stream, optional
+    tensors : list or tuple of GPU arrays
+        Read only (JAX arrays are fine): float16, bfloat16, float32 or float64, mixed dtypes
+        allowed, C-contiguous, any shapes. Empty arrays count as zero.
+    {stream_param}
 
     Returns
     -------
     array
-        0-d float32 (float64 when every array is float64) in the caller's framework (CuPy for
-        CAI/DLPack inputs; JAX / Numba wrapped back). Empty list: ``0.0`` on the device of
-        nothing is impossible, so an empty list raises.
+        A new 0-d array, float32 (float64 when every array is float64), in the inputs'
+        framework: a torch tensor for torch, a CuPy array for CuPy and for other CUDA Array
+        Interface or DLPack producers, wrapped back (zero-copy) for JAX and Numba.
 
     Raises
     ------
+    TypeError
+        {list_type_errors}
     ValueError
-        Empty list; the rules of :func:`add_`.
+        An empty list (there is no device to put a zero on).
+        {list_value_errors}
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+
+    The result array is allocated on every call (inside a CUDA graph capture, under the
+    capture's allocator rules: see :class:`cupylab.Graph`).
     """
     plan, s = resolve("foreach.norm", ["tensors"], [tensors], 0, stream=stream)
     if plan is None:
@@ -511,9 +946,42 @@ def norm(tensors, *, stream=None):
         else out
 
 
+@_fill_doc
 def norms(tensors, *, stream=None):
-    """Per-array L2 norms as one 1-D device array of ``len(tensors)`` values (float32, or
-    float64 when every array is float64), computed like :func:`norm` (no host sync)."""
+    """The L2 norm of each array, as one 1-D device array.
+
+    ``out[i] = sqrt(sum(tensors[i] ** 2))``, computed like :func:`norm` (per-chunk sums of
+    squares, then a fixed-order float64 sum per array): deterministic, no host
+    synchronisation.
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        Read only (JAX arrays are fine): float16, bfloat16, float32 or float64, mixed dtypes
+        allowed, C-contiguous, any shapes. An empty array has norm 0.
+    {stream_param}
+
+    Returns
+    -------
+    array
+        A new 1-D array of ``len(tensors)`` values, float32 (float64 when every array is
+        float64), in the inputs' framework as for :func:`norm`.
+
+    Raises
+    ------
+    TypeError
+        {list_type_errors}
+    ValueError
+        An empty list.
+        {list_value_errors}
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+
+    The result array is allocated on every call, as in :func:`norm`.
+    """
     plan, s = resolve("foreach.norms", ["tensors"], [tensors], 0, stream=stream)
     if plan is None:
         raise ValueError("foreach.norms: tensors is empty")
@@ -524,18 +992,55 @@ def norms(tensors, *, stream=None):
         else out
 
 
+@_fill_doc
 def clip_by_global_norm_(tensors, max_norm, *, eps=1e-6, stream=None):
-    """Scale the arrays in place so that their global L2 norm is at most ``max_norm``
-    (``torch.nn.utils.clip_grad_norm_``): factor ``min(1, max_norm / (norm + eps))``.
+    """Scale the arrays in place so that their global L2 norm is at most ``max_norm``.
 
-    The norm, the factor and the scaling run on the device, in three launches and no host
-    round trip (CUDA-graph safe once the list has been seen); the scaling launch returns at
-    once when the factor is 1. A non-finite norm gives a NaN factor, as torch does.
+    As ``torch.nn.utils.clip_grad_norm_`` (L2, ``error_if_nonfinite=False``): every array is
+    multiplied by ``min(1, max_norm / (norm + eps))``, with ``norm`` the global L2 norm
+    computed as by :func:`norm` and the factor computed in float64. The norm, the factor
+    and the scaling run on the device, in one launch per dtype group for the norm, one
+    finishing launch and one scaling launch per dtype group, with no host round trip; the
+    scaling blocks return at once when the factor is 1. As in torch, a NaN norm gives a NaN
+    factor and an infinite norm a factor of 0 (the arrays then hold NaN or 0).
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        Written in place: float16, bfloat16, float32 or float64, mixed dtypes allowed,
+        C-contiguous, any shapes.
+    max_norm : int or float
+        A Python number (``bool`` and NumPy scalars other than ``numpy.float64`` are
+        refused). Not checked further: a negative value gives a negative factor, ``inf``
+        leaves the arrays unchanged.
+    eps : float, default 1e-6
+        Added to the norm before the division; converted with ``float()``, not checked.
+    {stream_param}
 
     Returns
     -------
     array
-        The global norm before clipping (0-d, float32 or float64), on the device.
+        The global norm before clipping: a new 0-d array, float32 (float64 when every array
+        is float64), in the inputs' framework as for :func:`norm`.
+
+    Raises
+    ------
+    TypeError
+        ``max_norm`` not a Python number (checked first); an ``eps`` that ``float()``
+        refuses.
+        {list_type_errors}
+    ValueError
+        An empty list.
+        {list_value_errors}
+    OverflowError
+        A Python ``int`` ``max_norm`` too large for a float64.
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+
+    The returned norm is allocated on every call, as in :func:`norm`.
     """
     if not _is_scalar(max_norm):
         raise TypeError(f"foreach.clip_by_global_norm_: max_norm must be a number (got {max_norm!r})")
@@ -569,10 +1074,49 @@ def _result_dtype_f32():
     return _dtypes.from_name("float32")
 
 
+@_fill_doc
 def nonfinite_check(tensors, found_inf=None, *, stream=None):
-    """Set ``found_inf`` (a one-element float32 device array) to 1 when any element of the
-    arrays is inf or NaN; it is left as it was otherwise (so several lists can share one flag).
-    Allocated zeroed when not given. Returns ``found_inf``; no host synchronisation."""
+    """Flag on the device whether any element of the arrays is inf or NaN.
+
+    Sets ``found_inf`` to 1 when some element is not finite and leaves it as it was
+    otherwise, so several lists (or calls) can share one flag; nothing else is written and
+    the host is not synchronised.
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        Read only (JAX arrays are fine): float16, bfloat16, float32 or float64, mixed dtypes
+        allowed, C-contiguous, any shapes.
+    found_inf : one-element float32 GPU array, optional
+        The flag: writable, on the arrays' GPU, any framework. Default: a new one, zeroed on
+        the launch stream.
+    {stream_param}
+
+    Returns
+    -------
+    array or None
+        ``found_inf``: the array given, or the new one of shape ``(1,)`` (a torch tensor for
+        torch inputs, a CuPy array for every other kind, JAX and Numba included). An empty
+        ``tensors`` returns ``found_inf`` as given (``None`` when not given) and checks
+        nothing.
+
+    Raises
+    ------
+    TypeError
+        A ``found_inf`` that is not a one-element float32 GPU array.
+        {list_type_errors}
+    ValueError
+        A read-only ``found_inf``, or one on another GPU than the arrays.
+        {list_value_errors}
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+
+    Under :func:`prepare` a new flag is allocated and zeroed once, when the call is
+    prepared, not at every replay: zero it between replays (or pass your own).
+    """
     plan, s = resolve("foreach.nonfinite_check", ["tensors"], [tensors], 0, stream=stream)
     if plan is None:
         return found_inf
@@ -583,12 +1127,54 @@ def nonfinite_check(tensors, found_inf=None, *, stream=None):
     return found_inf
 
 
+@_fill_doc
 def unscale_(tensors, inv_scale, found_inf=None, *, stream=None):
-    """Mixed-precision gradient unscaling: ``tensors[i] *= inv_scale`` in place and
-    ``found_inf = 1`` when any element was inf or NaN before scaling (torch's
-    ``_amp_foreach_non_finite_check_and_unscale_``). ``inv_scale``: a number or a one-element
-    float32 device array; ``found_inf``: a one-element float32 device array (allocated zeroed
-    when not given). Returns ``found_inf``; no host synchronisation."""
+    """Mixed-precision gradient unscaling, in place, with a non-finite check.
+
+    ``tensors[i] *= inv_scale``, and ``found_inf`` set to 1 when any element was inf or NaN
+    before the scaling (left as it was otherwise), as torch's
+    ``_amp_foreach_non_finite_check_and_unscale_``. No host synchronisation.
+
+    Parameters
+    ----------
+    tensors : list or tuple of GPU arrays
+        Written in place: float16, bfloat16, float32 or float64, mixed dtypes allowed,
+        C-contiguous, any shapes.
+    inv_scale : int, float or one-element float32 GPU array
+        The factor: a finite Python number, or a one-element float32 array on the arrays'
+        GPU, read by the kernel (capturable, changeable between graph replays).
+    found_inf : one-element float32 GPU array, optional
+        The flag: writable, on the arrays' GPU, any framework. Default: a new one, zeroed on
+        the launch stream.
+    {stream_param}
+
+    Returns
+    -------
+    array or None
+        ``found_inf``: the array given, or the new one (a torch tensor for torch inputs, a
+        CuPy array otherwise). An empty ``tensors`` returns ``found_inf`` as given
+        (``None`` when not given) and checks neither ``inv_scale`` nor ``found_inf``.
+
+    Raises
+    ------
+    TypeError
+        An ``inv_scale`` that is neither a Python number nor a one-element float32 GPU
+        array (``bool``, NumPy scalars other than ``numpy.float64`` and host data are
+        refused); a ``found_inf`` that is not a one-element float32 GPU array.
+        {list_type_errors}
+    ValueError
+        A non-finite number ``inv_scale``; a read-only ``found_inf``; ``inv_scale`` or
+        ``found_inf`` on another GPU than the arrays.
+        {list_value_errors}
+    {runtime_errors}
+
+    Notes
+    -----
+    {launch_notes}
+
+    Under :func:`prepare` a new flag is allocated and zeroed once, when the call is
+    prepared, not at every replay: zero it between replays (or pass your own).
+    """
     plan, s = resolve("foreach.unscale_", ["tensors"], [tensors], 1, stream=stream)
     if plan is None:
         return found_inf
@@ -606,7 +1192,17 @@ class PreparedForeach:
 
     Calling it replays the recorded launches, with the same arguments, on the caller's current
     stream at call time (or the ``stream`` fixed at prepare time), and returns what the
-    prepared call returned (its output arrays, norm, ``found_inf``...)."""
+    prepared call returned (its output arrays, norm, ``found_inf``...).
+
+    Made only by :func:`prepare`; the constructor is internal. Calling it takes no
+    arguments (see :meth:`__call__`).
+
+    Attributes
+    ----------
+    result : object
+        What the prepared call returned when it was prepared (``None`` for the in-place
+        operators and the optimizer steps); every replay returns this same object.
+    """
 
     __slots__ = ("_launches", "_stream", "result", "_keep")
 
@@ -617,6 +1213,18 @@ class PreparedForeach:
         self._keep = keep
 
     def __call__(self):
+        """Replay the recorded launches.
+
+        They go to the ``stream`` fixed by :func:`prepare`, else to the current stream of the
+        prepared arrays' framework on their GPU (made current for the launches). Nothing is
+        checked or allocated, and the host is not synchronised.
+
+        Returns
+        -------
+        object
+            :attr:`result`: the same object at every replay (output lists, a norm array and
+            ``found_inf`` are overwritten in place by each replay).
+        """
         launches = self._launches
         if launches:
             _, device, _, _, _, kind = launches[0]
@@ -648,25 +1256,40 @@ def prepare(fn, *args, stream=None, **kwargs):
 
     Parameters
     ----------
-    fn : a function of :mod:`cupylab.foreach` or :mod:`cupylab.optim`
+    fn : callable
+        A function of :mod:`cupylab.foreach` (other than ``prepare``) or of
+        :mod:`cupylab.optim`; it must take a ``stream=`` keyword.
     *args, **kwargs
-        Its arguments. The arrays must stay alive and keep their storage while the prepared
-        call is used (it holds references to them).
-    stream : optional
-        Fix the launch stream instead of following the caller's current one. The launch
-        tables come from the memory pool of the stream the call is prepared on; a prepared
-        call replayed on other streams must be dropped only once those replays have finished
-        (after a synchronisation), or its tables' memory could be handed out again under
-        them.
+        Its arguments (``stream`` excepted: pass it to ``prepare``). The arrays must stay
+        alive and keep their storage while the prepared call is used (it holds references
+        to them).
+    stream : int or stream object, optional
+        Fix the launch stream instead of following the caller's current one; the call is
+        also prepared on it. The launch tables come from the memory pool of the stream the
+        call is prepared on; a prepared call replayed on other streams must be dropped only
+        once those replays have finished (after a synchronisation), or its tables' memory
+        could be handed out again under them.
 
     Returns
     -------
     PreparedForeach
+        Call it (no arguments) to replay; ``.result`` is what ``fn`` returned here.
 
     Raises
     ------
     TypeError
-        ``fn`` is not a multi-tensor operator; the errors of ``fn`` itself.
+        ``fn`` is not a function of :mod:`cupylab.foreach` or :mod:`cupylab.optim` (decided
+        by its ``__module__`` and ``__name__``).
+    RuntimeError
+        ``prepare`` called while another ``prepare`` runs in the same thread (from ``fn``).
+    Exception
+        Whatever ``fn`` raises for these arguments (nothing is then recorded).
+
+    Notes
+    -----
+    The check of ``fn`` accepts every function whose ``__module__`` is
+    ``cupylab.ops.multi_tensor`` or ``cupylab.optim`` except ``prepare``, ``resolve`` and
+    ``device_scalar``; only the public ones are meant to be prepared.
     """
     mod = getattr(fn, "__module__", "")
     if mod not in (__name__, "cupylab.optim") or getattr(fn, "__name__", "") in (

@@ -100,6 +100,23 @@ class _Fused:
             g.setdefault("master_weights", bool(master_weights))
 
     def add_param_group(self, param_group):
+        """Add a param group, as torch's ``add_param_group``.
+
+        Parameters
+        ----------
+        param_group : dict
+            As for torch (``"params"`` and any hyper-parameters); it may also set its own
+            ``"master_weights"``, else it gets the optimizer's.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        TypeError, ValueError
+            torch's own checks (e.g. a parameter that is already in another group).
+        """
         super().add_param_group(param_group)
         if hasattr(self, "_cl_plans"):
             self.param_groups[-1].setdefault("master_weights", self.defaults["master_weights"])
@@ -266,6 +283,29 @@ class _Fused:
         return lr
 
     def load_state_dict(self, state_dict):
+        """Load a state saved by :meth:`state_dict` (or by the torch optimizer it replaces).
+
+        As torch's ``load_state_dict``, except that the states and master copies of
+        master-weight groups stay float32 (torch casts every state to its param's dtype).
+        The master copies are checked against the parameters at the next step that updates
+        them, not here (a checkpoint may restore the model after the optimizer): a missing
+        copy, or one that does not round to its parameter, is then made from the
+        parameter.
+
+        Parameters
+        ----------
+        state_dict : dict
+            What :meth:`state_dict` (or torch's) returned.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        ValueError
+            torch's own checks (group and parameter counts).
+        """
         # torch casts every loaded state to the param's dtype: keep float32 states and master
         # copies float32 for master-weight groups.
         saved = {k: dict(v) for k, v in state_dict["state"].items()}
@@ -316,6 +356,17 @@ class _Fused:
                 st["master_param"] = p.detach().float().clone()
 
     def state_dict(self):
+        """The optimizer's state, as torch's ``state_dict``, loadable into torch's optimizers.
+
+        Parameters that share a step counter (one per step cohort) get a copy each, so
+        the dict holds one count per parameter, as torch's does.
+
+        Returns
+        -------
+        dict
+            ``{"state": ..., "param_groups": ...}``; master-weight parameters also hold
+            ``"master_param"`` (float32) in their state.
+        """
         sd = super().state_dict()
         sd["state"] = {k: ({**v, "step": v["step"].clone()} if "step" in v else dict(v))
                        for k, v in sd["state"].items()}
@@ -332,18 +383,98 @@ class _AdamBase(_Fused):
                 raise ValueError("cupylab.torch.optim: amsgrad is not supported")
 
     def add_param_group(self, param_group):
+        """Add a param group, as torch's ``add_param_group``.
+
+        Parameters
+        ----------
+        param_group : dict
+            As for torch (``"params"`` and any hyper-parameters); it may also set its own
+            ``"master_weights"``, else it gets the optimizer's.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        ValueError
+            ``amsgrad`` set in the group (checked before the group joins).
+        TypeError
+            torch's own checks of the group (ValueError for some of them, e.g. a parameter
+            that is already in another group).
+        """
         if isinstance(param_group, dict):  # refused before it joins (torch checks the rest)
             self._cl_check([param_group])
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict):
+        """Load a state saved by this optimizer or by the matching torch optimizer.
+
+        As torch's ``load_state_dict``, except that the states and master copies of
+        master-weight groups stay float32, and that master copies are checked against the
+        parameters at the next step that updates them (see the module docstring).
+
+        Parameters
+        ----------
+        state_dict : dict
+            What :meth:`state_dict` (or torch's) returned.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        ValueError
+            A group with ``amsgrad`` (checked before anything is loaded), and torch's own
+            checks (group and parameter counts).
+        """
         self._cl_check(state_dict.get("param_groups", ()))  # before anything is loaded
         super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
-        """One fused step; ``closure`` as torch's; ``found_inf`` / ``grad_scale``: see the
-        module docstring."""
+        """One fused Adam (AdamW) step over every param group.
+
+        Parameters without a gradient are left out, as torch leaves them. One launch per
+        dtype group and step cohort; each cohort's step counter is advanced first (on the
+        device for ``capturable`` groups and when ``found_inf`` is given, which moves the
+        counters to the GPU).
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model and returns the loss; called first, with grad enabled.
+        found_inf : one-element float32 CUDA tensor, optional
+            When it holds a nonzero value, the step leaves every parameter and state
+            unchanged, step counts included (decided on the device, no host
+            synchronisation). Default: the optimizer's ``found_inf`` attribute, which
+            ``torch.amp.GradScaler`` sets.
+        grad_scale : one-element float32 CUDA tensor, optional
+            The gradients are divided by it inside the step; ``p.grad`` itself is not
+            written. Default: the optimizer's ``grad_scale`` attribute (GradScaler).
+
+        Returns
+        -------
+        object or None
+            What ``closure`` returned, or ``None`` without a closure.
+
+        Raises
+        ------
+        TypeError
+            A parameter or gradient that is not a CUDA tensor of a supported dtype (see
+            :mod:`cupylab.optim`); a group with ``master_weights`` that mixes float32 and
+            16-bit parameters; a ``found_inf``, ``grad_scale`` or CUDA tensor ``lr`` that is
+            not a one-element float32 CUDA tensor.
+        ValueError
+            The array errors of :mod:`cupylab.optim` (non-contiguous or overlapping
+            tensors, parameters of one group on several GPUs, ...); a ``found_inf``,
+            ``grad_scale`` or ``lr`` tensor on another GPU than the group's parameters.
+        RuntimeError
+            Sparse gradients; new gradient tensors, or a parameter list seen for the first
+            time, during a CUDA graph capture (take one eager step first and zero the
+            gradients in place inside the captured region).
+        """
         loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
         adamw = isinstance(self, torch.optim.AdamW)
         for gi, group in enumerate(self.param_groups):
@@ -376,11 +507,24 @@ class Adam(_AdamBase, torch.optim.Adam):
 
     Parameters
     ----------
-    params, lr, betas, eps, weight_decay, amsgrad, maximize, capturable, ...
-        As ``torch.optim.Adam`` (``foreach``/``fused``/``differentiable`` are accepted and
-        ignored; ``amsgrad=True`` raises).
-    master_weights : bool
-        Keep float32 master copies and states for 16-bit params.
+    params : iterable of tensors or dicts
+        The CUDA parameters, or param groups, as for ``torch.optim.Adam``.
+    *args, **kwargs
+        ``torch.optim.Adam``'s other arguments (``lr``, ``betas``, ``eps``,
+        ``weight_decay``, ``amsgrad``, ``foreach``, ``maximize``, ``capturable``,
+        ``differentiable``, ``fused``, ``decoupled_weight_decay`` where torch has it),
+        passed to its constructor, which checks them. ``foreach``, ``fused`` and
+        ``differentiable`` do not change the step; ``amsgrad=True`` raises;
+        ``decoupled_weight_decay=True`` makes the step AdamW's. A one-element float32 CUDA
+        tensor ``lr`` is read on the device at every step.
+    master_weights : bool, default False
+        Keep float32 master copies and float32 states for bfloat16 / float16 params
+        (a param group may set its own ``"master_weights"``).
+
+    Raises
+    ------
+    ValueError
+        ``amsgrad=True``, and torch's own checks of the arguments.
     """
 
     def __init__(self, params, *args, master_weights=False, **kwargs):
@@ -390,7 +534,31 @@ class Adam(_AdamBase, torch.optim.Adam):
 
 
 class AdamW(_AdamBase, torch.optim.AdamW):
-    """``torch.optim.AdamW`` with a cupylab fused step (see :class:`Adam`)."""
+    """``torch.optim.AdamW`` with a cupylab fused step (see the module docstring).
+
+    The step is :func:`cupylab.optim.adamw_` over every param group: decoupled weight decay
+    (``p *= 1 - lr * weight_decay``), then the Adam update.
+
+    Parameters
+    ----------
+    params : iterable of tensors or dicts
+        The CUDA parameters, or param groups, as for ``torch.optim.AdamW``.
+    *args, **kwargs
+        ``torch.optim.AdamW``'s other arguments (``lr``, ``betas``, ``eps``,
+        ``weight_decay`` (default 1e-2), ``amsgrad``, ``maximize``, ``foreach``,
+        ``capturable``, ``differentiable``, ``fused``), passed to its constructor, which
+        checks them. ``foreach``, ``fused`` and ``differentiable`` do not change the step;
+        ``amsgrad=True`` raises. A one-element float32 CUDA tensor ``lr`` is read on the
+        device at every step.
+    master_weights : bool, default False
+        Keep float32 master copies and float32 states for bfloat16 / float16 params
+        (a param group may set its own ``"master_weights"``).
+
+    Raises
+    ------
+    ValueError
+        ``amsgrad=True``, and torch's own checks of the arguments.
+    """
 
     def __init__(self, params, *args, master_weights=False, **kwargs):
         super().__init__(params, *args, **kwargs)
@@ -399,8 +567,38 @@ class AdamW(_AdamBase, torch.optim.AdamW):
 
 
 class SGD(_Fused, torch.optim.SGD):
-    """``torch.optim.SGD`` with a cupylab fused step (momentum, dampening, Nesterov, weight
-    decay, maximize; ``master_weights`` as :class:`Adam`)."""
+    """``torch.optim.SGD`` with a cupylab fused step (see the module docstring).
+
+    The step is :func:`cupylab.optim.sgd_` over every param group: momentum, dampening,
+    Nesterov, weight decay and maximize, with torch's math and first-step rule.
+
+    Parameters
+    ----------
+    params : iterable of tensors or dicts
+        The CUDA parameters, or param groups, as for ``torch.optim.SGD``.
+    *args, **kwargs
+        ``torch.optim.SGD``'s other arguments (``lr``, ``momentum``, ``dampening``,
+        ``weight_decay``, ``nesterov``, ``maximize``, ``foreach``, ``differentiable``,
+        ``fused``), passed to its constructor, which checks them. ``foreach``, ``fused``
+        and ``differentiable`` do not change the step. A one-element float32 CUDA tensor
+        ``lr`` is read on the device at every step.
+    master_weights : bool, default False
+        Keep float32 master copies and float32 momentum buffers for bfloat16 / float16
+        params (a param group may set its own ``"master_weights"``).
+
+    Raises
+    ------
+    ValueError
+        torch's own checks of the arguments (e.g. ``nesterov`` without momentum, or with
+        dampening).
+
+    Notes
+    -----
+    With ``momentum`` and ``dampening``, a parameter's first momentum step (which sets the
+    buffer to the gradient, a host decision) cannot be skipped on the device: it cannot
+    take ``found_inf`` (``GradScaler``). Take one step without it first, or use
+    ``dampening=0``.
+    """
 
     _cl_state_keys = ("momentum_buffer",)
 
@@ -446,6 +644,49 @@ class SGD(_Fused, torch.optim.SGD):
 
     @torch.no_grad()
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
+        """One fused SGD step over every param group.
+
+        One launch per dtype group of each param group. Parameters without a gradient are
+        left out, as torch leaves them. Momentum buffers are made (zeroed) at a parameter's
+        first momentum step; with ``dampening`` that first step sets them to the gradient,
+        as torch does.
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model and returns the loss; called first, with grad enabled.
+        found_inf : one-element float32 CUDA tensor, optional
+            When it holds a nonzero value, the step leaves every parameter and state
+            unchanged (decided on the device, no host synchronisation). Default: the
+            optimizer's ``found_inf`` attribute, which ``torch.amp.GradScaler`` sets.
+        grad_scale : one-element float32 CUDA tensor, optional
+            The gradients are divided by it inside the step; ``p.grad`` itself is not
+            written. Default: the optimizer's ``grad_scale`` attribute (GradScaler).
+
+        Returns
+        -------
+        object or None
+            What ``closure`` returned, or ``None`` without a closure.
+
+        Raises
+        ------
+        TypeError
+            A parameter or gradient that is not a CUDA tensor of a supported dtype (see
+            :mod:`cupylab.optim`); a group with ``master_weights`` that mixes float32 and
+            16-bit parameters; a ``found_inf``, ``grad_scale`` or CUDA tensor ``lr`` that is
+            not a one-element float32 CUDA tensor.
+        ValueError
+            The array errors of :mod:`cupylab.optim` (non-contiguous or overlapping
+            tensors, parameters of one group on several GPUs, ...); a ``found_inf``,
+            ``grad_scale`` or ``lr`` tensor on another GPU than the group's parameters.
+            With ``dampening``: a group in which some parameters have momentum buffers and
+            some do not; a first momentum step together with ``found_inf`` (take one step
+            without it first, or use ``dampening=0``).
+        RuntimeError
+            Sparse gradients; new gradient tensors, or a parameter list seen for the first
+            time, during a CUDA graph capture (take one eager step first and zero the
+            gradients in place inside the captured region).
+        """
         loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
         for gi, group in enumerate(self.param_groups):
             self._cl_first_pending = False
@@ -467,6 +708,26 @@ class SGD(_Fused, torch.optim.SGD):
         return loss
 
     def load_state_dict(self, state_dict):
+        """Load a state saved by this optimizer or by ``torch.optim.SGD``.
+
+        As torch's ``load_state_dict``, except that the momentum buffers and master copies
+        of master-weight groups stay float32, and that master copies are checked against
+        the parameters at the next step that updates them (see the module docstring).
+
+        Parameters
+        ----------
+        state_dict : dict
+            What :meth:`state_dict` (or torch's) returned.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        ValueError
+            torch's own checks (group and parameter counts).
+        """
         super().load_state_dict(state_dict)
         self._cl_first = {}
 
@@ -477,12 +738,23 @@ class Lion(_Fused, torch.optim.Optimizer):
     Parameters
     ----------
     params : iterable of tensors or param groups
-    lr : float or one-element float32 CUDA tensor
-    betas : (float, float)
-    weight_decay : float
+        The CUDA parameters.
+    lr : float or one-element float32 CUDA tensor, default 1e-4
+        A CUDA tensor is read on the device at every step. Not checked here.
+    betas : (float, float), default (0.9, 0.99)
+        ``beta1`` (the update's interpolation) and ``beta2`` (the momentum's decay), each
+        in [0, 1).
+    weight_decay : float, default 0.0
         Decoupled (``p *= 1 - lr * weight_decay``).
-    maximize : bool
-    master_weights : bool
+    maximize : bool, default False
+        Step along the gradient instead of against it.
+    master_weights : bool, default False
+        Keep float32 master copies and float32 states for bfloat16 / float16 params.
+
+    Raises
+    ------
+    ValueError
+        A beta outside [0, 1).
     """
 
     _cl_state_keys = ("exp_avg",)
@@ -497,6 +769,44 @@ class Lion(_Fused, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
+        """One fused Lion step over every param group.
+
+        One launch per dtype group of each param group. Parameters without a gradient are
+        left out. The update is that of :func:`cupylab.optim.lion_`.
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model and returns the loss; called first, with grad enabled.
+        found_inf : one-element float32 CUDA tensor, optional
+            When it holds a nonzero value, the step leaves every parameter and state
+            unchanged (decided on the device, no host synchronisation). Default: the
+            optimizer's ``found_inf`` attribute, which ``torch.amp.GradScaler`` sets.
+        grad_scale : one-element float32 CUDA tensor, optional
+            The gradients are divided by it inside the step; ``p.grad`` itself is not
+            written. Default: the optimizer's ``grad_scale`` attribute (GradScaler).
+
+        Returns
+        -------
+        object or None
+            What ``closure`` returned, or ``None`` without a closure.
+
+        Raises
+        ------
+        TypeError
+            A parameter or gradient that is not a CUDA tensor of a supported dtype (see
+            :mod:`cupylab.optim`); a group with ``master_weights`` that mixes float32 and
+            16-bit parameters; a ``found_inf``, ``grad_scale`` or CUDA tensor ``lr`` that is
+            not a one-element float32 CUDA tensor.
+        ValueError
+            The array errors of :mod:`cupylab.optim` (non-contiguous or overlapping
+            tensors, parameters of one group on several GPUs, ...); a ``found_inf``,
+            ``grad_scale`` or ``lr`` tensor on another GPU than the group's parameters.
+        RuntimeError
+            Sparse gradients; new gradient tensors, or a parameter list seen for the first
+            time, during a CUDA graph capture (take one eager step first and zero the
+            gradients in place inside the captured region).
+        """
         loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
         for gi, group in enumerate(self.param_groups):
             r = self._cl_plan(gi, group)
