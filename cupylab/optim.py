@@ -176,10 +176,21 @@ def _check_lr(opname, lr):
         _check_pos(opname, lr=lr)
 
 
-def adam_launch(opname, plan, s, *, lr, beta1, beta2, eps, weight_decay, step, adamw,
-                maximize, found_inf, grad_scale):
-    """Launch the Adam kernels for a resolved plan (slots: param, grad, exp_avg, exp_avg_sq,
-    master). ``step``: a number (this update's step, >= 1) or a device float32 array."""
+def _launcher(plan, kernel_for, args, s):
+    """The launches of a checked step, as a function of no arguments."""
+    def launch():
+        with _launch.ensure_device(plan.device):
+            P.launch(plan, kernel_for, args, s)
+    return launch
+
+
+def adam_launcher(opname, plan, s, *, lr, beta1, beta2, eps, weight_decay, step, adamw,
+                  maximize, found_inf, grad_scale):
+    """Check an Adam step for a resolved plan (slots: param, grad, exp_avg, exp_avg_sq,
+    master) and return a function of no arguments that launches its kernels. Nothing is
+    launched or changed before that function is called, so a caller can check several steps
+    (every param group of an optimizer) before launching any. ``step``: a number (this
+    update's step, >= 1) or a device float32 array."""
     with _launch.ensure_device(plan.device):
         lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale, s)
         if isinstance(step, (int, float)):
@@ -193,7 +204,7 @@ def adam_launch(opname, plan, s, *, lr, beta1, beta2, eps, weight_decay, step, a
         kern = {}
         for g, p, st, m in _check_combo(opname, plan, (2, 3), 4):
             kern[g.sig] = P.kernel("optim", P.adam_name(p, st, m, adamw))
-        P.launch(plan, kern.__getitem__, args, s)
+    return _launcher(plan, kern.__getitem__, args, s)
 
 
 @_doc
@@ -245,9 +256,9 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta2=0.
     plan, s = F.resolve(name, ["params", "grads", "exp_avgs", "exp_avg_sqs", "master_params"],
                         lists, writes, same_dtype=(1,), stream=stream)
     if plan is not None:
-        adam_launch(name, plan, s, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                    weight_decay=weight_decay, step=step, adamw=adamw, maximize=maximize,
-                    found_inf=found_inf, grad_scale=grad_scale)
+        adam_launcher(name, plan, s, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                      weight_decay=weight_decay, step=step, adamw=adamw, maximize=maximize,
+                      found_inf=found_inf, grad_scale=grad_scale)()
 
 
 @_doc
@@ -293,9 +304,10 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta2=0
           found_inf=found_inf, grad_scale=grad_scale, adamw=True, stream=stream)
 
 
-def sgd_launch(opname, plan, s, *, lr, momentum, dampening, weight_decay, nesterov, maximize,
-               first_step, found_inf, grad_scale):
-    """Launch the SGD kernels for a resolved plan (slots: param, grad, buffer, master)."""
+def sgd_launcher(opname, plan, s, *, lr, momentum, dampening, weight_decay, nesterov, maximize,
+                 first_step, found_inf, grad_scale):
+    """Check an SGD step for a resolved plan (slots: param, grad, buffer, master) and return
+    a function of no arguments that launches its kernels (as :func:`adam_launcher`)."""
     with _launch.ensure_device(plan.device):
         lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale, s)
         args = F._args((lr_v, momentum, dampening, weight_decay, 1.0 if nesterov else 0.0,
@@ -303,7 +315,7 @@ def sgd_launch(opname, plan, s, *, lr, momentum, dampening, weight_decay, nester
         kern = {}
         for g, p, st, m in _check_combo(opname, plan, (2,), 3):
             kern[g.sig] = P.kernel("optim", P.sgd_name(p, st, m, g.sig[2] is not None))
-        P.launch(plan, kern.__getitem__, args, s)
+    return _launcher(plan, kern.__getitem__, args, s)
 
 
 @_doc
@@ -389,13 +401,15 @@ def sgd_(params, grads, momentum_buffers=None, *, lr, momentum=0.0, dampening=0.
     plan, s = F.resolve("sgd_", ["params", "grads", "momentum_buffers", "master_params"], lists,
                         writes, same_dtype=(1,), stream=stream)
     if plan is not None:
-        sgd_launch("sgd_", plan, s, lr=lr, momentum=momentum, dampening=dampening,
-                   weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-                   first_step=first_step, found_inf=found_inf, grad_scale=grad_scale)
+        sgd_launcher("sgd_", plan, s, lr=lr, momentum=momentum, dampening=dampening,
+                     weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                     first_step=first_step, found_inf=found_inf, grad_scale=grad_scale)()
 
 
-def lion_launch(opname, plan, s, *, lr, beta1, beta2, weight_decay, maximize, found_inf,
-                grad_scale):
+def lion_launcher(opname, plan, s, *, lr, beta1, beta2, weight_decay, maximize, found_inf,
+                  grad_scale):
+    """Check a Lion step for a resolved plan (slots: param, grad, exp_avg, master) and return
+    a function of no arguments that launches its kernels (as :func:`adam_launcher`)."""
     with _launch.ensure_device(plan.device):
         lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale, s)
         args = F._args((lr_v, beta1, beta2, weight_decay, 1.0 if maximize else 0.0),
@@ -403,7 +417,7 @@ def lion_launch(opname, plan, s, *, lr, beta1, beta2, weight_decay, maximize, fo
         kern = {}
         for g, p, st, m in _check_combo(opname, plan, (2,), 3):
             kern[g.sig] = P.kernel("optim", P.lion_name(p, st, m))
-        P.launch(plan, kern.__getitem__, args, s)
+    return _launcher(plan, kern.__getitem__, args, s)
 
 
 @_doc
@@ -464,8 +478,9 @@ def lion_(params, grads, exp_avgs, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.
     plan, s = F.resolve("lion_", ["params", "grads", "exp_avgs", "master_params"], lists, writes,
                         same_dtype=(1,), stream=stream)
     if plan is not None:
-        lion_launch("lion_", plan, s, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                    maximize=maximize, found_inf=found_inf, grad_scale=grad_scale)
+        lion_launcher("lion_", plan, s, lr=lr, beta1=beta1, beta2=beta2,
+                      weight_decay=weight_decay, maximize=maximize, found_inf=found_inf,
+                      grad_scale=grad_scale)()
 
 
 @_doc

@@ -360,3 +360,70 @@ def test_a_step_with_new_gradients_does_not_wait_for_the_gpu():
         o1.zero_grad(set_to_none=True)
         o2.zero_grad(set_to_none=True)
     _compare(a, b, torch.float32, 1e-5, 1e-6)
+
+
+def test_a_step_refused_by_its_checks_changes_nothing():
+    """Every group's arguments are checked before any counter moves or any group is stepped:
+    a float64 grad_scale (host and device counters) or a bad lr in the second group left the
+    first group stepped and the counts advanced."""
+    a = _params(torch.float32)
+    o = _clo().Adam([{"params": a[:3]}, {"params": a[3:], "lr": 1e-3}], lr=1e-2)
+    for p in a:
+        p.grad = torch.ones_like(p)
+    o.step()  # host counters
+    fi = torch.zeros(1, device="cuda")
+    bad_scale = torch.ones(1, device="cuda", dtype=torch.float64)
+
+    def snapshot():
+        return ([p.detach().clone() for p in a],
+                [o.state[p]["exp_avg"].clone() for p in a],
+                [float(o.state[p]["step"]) for p in a])
+
+    def same(x, y):
+        return all(torch.equal(u, v) for u, v in zip(x[0] + x[1], y[0] + y[1])) and x[2] == y[2]
+
+    before = snapshot()
+    with pytest.raises(TypeError, match="Adam.step: grad_scale must be a one-element float32"):
+        o.step(grad_scale=bad_scale)
+    assert same(snapshot(), before) and before[2] == [1.0] * len(a)
+    o.step(found_inf=fi)  # the counters move to the GPU
+    before = snapshot()
+    with pytest.raises(TypeError, match="Adam.step: grad_scale must be a one-element float32"):
+        o.step(found_inf=fi, grad_scale=bad_scale)
+    o.param_groups[1]["lr"] = torch.ones(2, device="cuda")
+    with pytest.raises(TypeError, match="Adam.step: lr must be a one-element float32"):
+        o.step(found_inf=fi)
+    assert same(snapshot(), before) and before[2] == [2.0] * len(a)
+    o.param_groups[1]["lr"] = 1e-3
+    o.step(found_inf=fi)
+    assert [float(o.state[p]["step"]) for p in a] == [3.0] * len(a)
+
+    b = _params(torch.float32, seed=2)
+    ref = _clone(b)
+
+    def groups(ps):  # the second group's first step is a dampened first momentum step
+        return [{"params": ps[:3]}, {"params": ps[3:], "dampening": 0.5}]
+
+    o = _clo().SGD(groups(b), lr=0.1, momentum=0.9)
+    o_ref = torch.optim.SGD(groups(ref), lr=0.1, momentum=0.9)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    _set_grads(gen, b, ref, torch.float32)
+    start = [p.detach().clone() for p in b]
+    with pytest.raises(ValueError, match="the first momentum step cannot be skipped"):
+        o.step(found_inf=fi)
+    assert all(torch.equal(p, q) for p, q in zip(b, start))  # the first group too
+    for _ in range(3):
+        o.step()
+        o_ref.step()
+        _set_grads(gen, b, ref, torch.float32)
+    _compare(b, ref, torch.float32, 1e-5, 1e-5)
+
+    c = _params(torch.float32, seed=4)
+    o = _clo().Lion([{"params": c[:3]}, {"params": c[3:]}], lr=1e-4)
+    for p in c:
+        p.grad = torch.ones_like(p)
+    start = [p.detach().clone() for p in c]
+    o.param_groups[1]["lr"] = torch.full((1,), 1e-4, device="cuda", dtype=torch.float64)
+    with pytest.raises(TypeError, match="Lion.step: lr must be a one-element float32"):
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(c, start))

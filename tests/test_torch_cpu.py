@@ -840,7 +840,8 @@ def sgd_launches(monkeypatch):
     monkeypatch.setattr(O.P, "for_stream", lambda plan, s: plan)
     monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0)
-    monkeypatch.setattr(_optim, "sgd_launch", lambda name, plan, s, **kw: seen.append(kw))
+    # recorded when launched (after every group was checked), not when checked
+    monkeypatch.setattr(_optim, "sgd_launcher", lambda name, plan, s, **kw: lambda: seen.append(kw))
     return O, seen
 
 
@@ -1005,8 +1006,8 @@ def adam_launches(monkeypatch):
     monkeypatch.setattr(O.P, "for_stream", lambda plan, s: plan)
     monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0)
-    monkeypatch.setattr(_optim, "adam_launch",
-                        lambda name, plan, s, step, **k: seen.append((plan.params, step)))
+    monkeypatch.setattr(_optim, "adam_launcher",  # recorded when launched
+                        lambda name, plan, s, step, **k: lambda: seen.append((plan.params, step)))
     return O, seen
 
 
@@ -1149,6 +1150,120 @@ def test_master_weights_group_mixing_dtypes_is_refused_clearly(name):
     a.grad, b.grad = torch.ones(3), torch.ones(3).to(torch.bfloat16)
     with pytest.raises(TypeError, match="float32 and 16-bit params in one group"):
         opt.step()
+
+
+def test_sgd_refuses_a_first_dampened_step_with_found_inf_before_stepping_any_group(
+        sgd_launches):
+    """The refusal came after the groups before the offending one were stepped."""
+    O, seen = sgd_launches
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = O.SGD([{"params": [a]}, {"params": [b], "dampening": 0.5}], lr=0.1, momentum=0.9)
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    with pytest.raises(ValueError, match="with dampening, the first momentum step"):
+        opt.step(found_inf=torch.zeros(1))
+    assert seen == []  # the first group was not stepped either
+    opt.step()
+    assert [kw["first_step"] for kw in seen] == [False, True]
+    opt.step(found_inf=torch.zeros(1))  # b's buffers had their first step
+    assert [kw["first_step"] for kw in seen[2:]] == [False, False]
+
+
+# -- the torch optimizers with cupylab.optim's own launch checks (launches recorded) ---------
+@pytest.fixture
+def checked_launches(sim, monkeypatch):
+    """cupylab.torch.optim with the real launch checks of cupylab.optim and no GPU: a plan of
+    one dtype group per list (the dtypes of the lists' first tensors); the launches are
+    recorded by ``sim``."""
+    import types
+
+    from cupylab.torch import optim as O
+
+    def validate(opname, names, lists, *a, **k):
+        sig = tuple(None if lst is None else str(lst[0].dtype).split(".")[1] for lst in lists)
+        group = types.SimpleNamespace(sig=sig, nblocks=1, tab_ptr=0x100, map_ptr=0x200)
+        return types.SimpleNamespace(device=0, kind="torch", chunk=2048, groups=[group],
+                                     captured=False, pinned=False), 0x5700
+
+    monkeypatch.setattr(O.F, "_validate", validate)
+    monkeypatch.setattr(O.P, "for_stream", lambda plan, s: plan)
+    return O, sim["launches"]
+
+
+def _bias1(launch):  # Adam's first bias correction, s[5] of the launch's Args
+    return launch["args"][3 + 5]
+
+
+def test_an_adam_step_refused_by_its_checks_moves_no_count_and_steps_no_group(
+        checked_launches):
+    """The host step counter was advanced before the launch checks (a bad grad_scale raised
+    after the count moved), and earlier groups were already stepped."""
+    from conftest import FakeCAI
+
+    O, launches = checked_launches
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = O.Adam([{"params": [a]}, {"params": [b]}], lr=1e-3)
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    with pytest.raises(TypeError, match=r"Adam.step: grad_scale must be a CUDA device array"):
+        opt.step(grad_scale=torch.ones(1))  # host data
+
+    def counts():
+        return [float(opt.state[p].get("step", 0)) for p in (a, b)]
+
+    assert launches == [] and counts() == [0.0, 0.0]
+    opt.param_groups[1]["lr"] = FakeCAI((1,), typestr="<f8")  # a device lr, not float32
+    with pytest.raises(TypeError, match="Adam.step: lr must be a one-element float32"):
+        opt.step()  # the first group is checked and fine, the second is not
+    assert launches == [] and counts() == [0.0, 0.0]
+    opt.param_groups[1]["lr"] = 1e-3
+    opt.step()
+    assert counts() == [1.0, 1.0]
+    assert len(launches) == 2 and [_bias1(x) for x in launches] == [pytest.approx(0.1)] * 2
+    opt.step()
+    assert [_bias1(x) for x in launches[2:]] == [pytest.approx(1 - 0.9 ** 2)] * 2
+
+
+def test_the_next_count_of_a_host_counter_is_what_adding_one_gives():
+    from cupylab.torch import optim as O
+
+    for v in (0.0, 1.0, 41.0, 2.0 ** 24 - 1, 2.0 ** 24, 2.0 ** 25):
+        for dt in (torch.float32, torch.float64, torch.int64):
+            st = torch.tensor(v, dtype=dt)
+            nxt = O._next_count(st)
+            assert float(st) == v  # unchanged
+            st += 1
+            assert nxt == float(st)  # float32 stays at 2 ** 24, as torch's own counter
+
+
+def test_a_refused_sgd_step_keeps_the_first_step_of_new_dampened_buffers(checked_launches):
+    """A first dampened momentum step refused by the launch checks (here a grad_scale on the
+    host) is still the first at the next step: the buffers must be set to the gradient then
+    (the flag was dropped before the checks)."""
+    O, launches = checked_launches
+    a = torch.nn.Parameter(torch.ones(3))
+    opt = O.SGD([a], lr=0.1, momentum=0.9, dampening=0.5)
+    a.grad = torch.ones(3)
+    with pytest.raises(TypeError, match="SGD.step: grad_scale must be a CUDA device array"):
+        opt.step(grad_scale=torch.ones(1))
+    assert launches == []
+    opt.step()
+    opt.step()
+    assert [x["args"][3 + 6] for x in launches] == [1.0, 0.0]  # first_step, s[6]
+
+
+def test_a_lion_step_refused_by_its_checks_steps_no_group(checked_launches):
+    from conftest import FakeCAI
+
+    O, launches = checked_launches
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = O.Lion([{"params": [a]}, {"params": [b]}], lr=1e-4)
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    opt.param_groups[1]["lr"] = FakeCAI((2,))  # a device lr of two elements
+    with pytest.raises(TypeError, match="Lion.step: lr must be a one-element float32"):
+        opt.step()
+    assert launches == []
+    opt.param_groups[1]["lr"] = 1e-4
+    opt.step()
+    assert len(launches) == 2
 
 
 # -- the torch promotion rule (cupylab._promotion) against torch itself ----------------------

@@ -43,6 +43,7 @@ of params and grads (to detect reallocated gradients), then one launch per dtype
 from __future__ import annotations
 
 import operator
+import struct
 
 import torch
 
@@ -52,6 +53,7 @@ from ..ops import _mt_plan as P, multi_tensor as F
 __all__ = ["Adam", "AdamW", "SGD", "Lion"]
 
 _GRAD = operator.attrgetter("grad")
+_F32 = struct.Struct("f")
 _PTR = torch.Tensor.data_ptr
 _STRIDED = torch.strided
 _NO_SUBCLASS_FN = torch._C.DisableTorchFunctionSubclass
@@ -70,6 +72,13 @@ def _same_layout(params, grads, kp, kg):
                 or g.is_conj()):
             return False
     return True
+
+
+def _next_count(st):
+    """The value ``st += 1`` will give a CPU step counter, without changing it."""
+    if st.dtype == torch.float32:  # the counters made here: float64 sum rounded as float32's
+        return _F32.unpack(_F32.pack(float(st) + 1.0))[0]
+    return float(st + 1)  # a loaded counter of another dtype
 
 
 def _check_master(masters):
@@ -439,7 +448,10 @@ class _AdamBase(_Fused):
         Parameters without a gradient are left out, as torch leaves them. One launch per
         dtype group and step cohort; each cohort's step counter is advanced first (on the
         device for ``capturable`` groups and when ``found_inf`` is given, which moves the
-        counters to the GPU).
+        counters to the GPU). Every group's arguments are checked before any counter is
+        advanced or any kernel launched: a step they refuse leaves every parameter, state
+        and count as it was (the states made for parameters stepped for the first time
+        stay, zeroed, and a counter moved to the GPU stays there with its count).
 
         Parameters
         ----------
@@ -477,6 +489,8 @@ class _AdamBase(_Fused):
         """
         loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
         adamw = isinstance(self, torch.optim.AdamW)
+        name = f"{type(self).__name__}.step"
+        todo = []  # every group's launches checked before any count moves or kernel runs
         for gi, group in enumerate(self.param_groups):
             r = self._cl_plan(gi, group)
             if r is None:
@@ -487,18 +501,20 @@ class _AdamBase(_Fused):
             decoupled = adamw or group.get("decoupled_weight_decay", False)
             for k, (plan, st) in enumerate(units):
                 if cap and st.device.type == "cpu":
-                    st = self._cl_device_step(gi, k)
-                if st.device.type == "cpu":
-                    st += 1
-                    step = float(st)
-                else:
-                    _optim.increment_step_(st, found_inf)
-                    step = st
-                _optim.adam_launch(f"{type(self).__name__}.step", plan, s,
-                                   lr=self._cl_lr(group), beta1=b1, beta2=b2, eps=group["eps"],
-                                   weight_decay=group["weight_decay"], step=step,
-                                   adamw=decoupled, maximize=group["maximize"],
-                                   found_inf=found_inf, grad_scale=grad_scale)
+                    st = self._cl_device_step(gi, k)  # the same count, now on the GPU
+                on_host = st.device.type == "cpu"
+                launch = _optim.adam_launcher(
+                    name, plan, s, lr=self._cl_lr(group), beta1=b1, beta2=b2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], step=_next_count(st) if on_host else st,
+                    adamw=decoupled, maximize=group["maximize"], found_inf=found_inf,
+                    grad_scale=grad_scale)
+                todo.append((launch, st, on_host))
+        for launch, st, on_host in todo:
+            if on_host:
+                st += 1
+            else:
+                _optim.increment_step_(st, found_inf)
+            launch()
         return loss
 
 
@@ -649,7 +665,10 @@ class SGD(_Fused, torch.optim.SGD):
         One launch per dtype group of each param group. Parameters without a gradient are
         left out, as torch leaves them. Momentum buffers are made (zeroed) at a parameter's
         first momentum step; with ``dampening`` that first step sets them to the gradient,
-        as torch does.
+        as torch does. Every group's arguments are checked before any kernel is launched:
+        a step they refuse leaves every parameter and buffer as it was (buffers made for
+        parameters stepped for the first time stay, zeroed, and their next step is still
+        their first).
 
         Parameters
         ----------
@@ -688,23 +707,28 @@ class SGD(_Fused, torch.optim.SGD):
             gradients in place inside the captured region).
         """
         loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
+        todo = []  # every group's launch checked before any runs
         for gi, group in enumerate(self.param_groups):
             self._cl_first_pending = False
             r = self._cl_plan(gi, group)
             if r is None:
                 continue
             s, ((plan, _),) = r
-            first = self._cl_first_pending or self._cl_first.pop(gi, False)
+            if self._cl_first_pending:  # new buffers: the group's next launched step is first
+                self._cl_first[gi] = True
+            first = self._cl_first.get(gi, False)
             if first and found_inf is not None:
-                self._cl_first[gi] = True  # the buffers exist now; the next step is still first
                 raise ValueError("cupylab.torch.optim.SGD: with dampening, the first momentum "
                                  "step cannot be skipped on the device (found_inf, as "
                                  "GradScaler passes); take one step without it")
-            _optim.sgd_launch("SGD.step", plan, s, lr=self._cl_lr(group),
-                              momentum=group["momentum"], dampening=group["dampening"],
-                              weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                              maximize=group["maximize"], first_step=first,
-                              found_inf=found_inf, grad_scale=grad_scale)
+            todo.append((gi, _optim.sgd_launcher(
+                "SGD.step", plan, s, lr=self._cl_lr(group), momentum=group["momentum"],
+                dampening=group["dampening"], weight_decay=group["weight_decay"],
+                nesterov=group["nesterov"], maximize=group["maximize"], first_step=first,
+                found_inf=found_inf, grad_scale=grad_scale)))
+        for gi, launch in todo:
+            self._cl_first.pop(gi, None)
+            launch()
         return loss
 
     def load_state_dict(self, state_dict):
@@ -772,7 +796,10 @@ class Lion(_Fused, torch.optim.Optimizer):
         """One fused Lion step over every param group.
 
         One launch per dtype group of each param group. Parameters without a gradient are
-        left out. The update is that of :func:`cupylab.optim.lion_`.
+        left out. The update is that of :func:`cupylab.optim.lion_`. Every group's
+        arguments are checked before any kernel is launched: a step they refuse leaves
+        every parameter and state as it was (the states made for parameters stepped for
+        the first time stay, zeroed).
 
         Parameters
         ----------
@@ -808,13 +835,17 @@ class Lion(_Fused, torch.optim.Optimizer):
             gradients in place inside the captured region).
         """
         loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
+        todo = []  # every group's launch checked before any runs
         for gi, group in enumerate(self.param_groups):
             r = self._cl_plan(gi, group)
             if r is None:
                 continue
             s, ((plan, _),) = r
             b1, b2 = group["betas"]
-            _optim.lion_launch("Lion.step", plan, s, lr=self._cl_lr(group), beta1=b1, beta2=b2,
-                               weight_decay=group["weight_decay"], maximize=group["maximize"],
-                               found_inf=found_inf, grad_scale=grad_scale)
+            todo.append(_optim.lion_launcher(
+                "Lion.step", plan, s, lr=self._cl_lr(group), beta1=b1, beta2=b2,
+                weight_decay=group["weight_decay"], maximize=group["maximize"],
+                found_inf=found_inf, grad_scale=grad_scale))
+        for launch in todo:
+            launch()
         return loss
