@@ -76,10 +76,10 @@ exp_avgs, exp_avg_sqs : list or tuple of GPU arrays
     "{step_param}": """\
 step : int, float or one-element float32 GPU array
     The number of this update, 1 for the first, for the bias corrections. A Python number
-    must be finite and >= 1; the corrections are then computed on the host in float64. A
-    device array (on the params' GPU) is read by the kernel, which computes the
-    corrections from it in float64: not checked, capturable, advanced on the device by
-    :func:`increment_step_`.""",
+    (not a ``bool``) must be finite and >= 1; the corrections are then computed on the
+    host in float64. A device array (on the params' GPU) is read by the kernel, which
+    computes the corrections from it in float64: not checked, capturable, advanced on the
+    device by :func:`increment_step_`.""",
     "{beta_params}": """\
 beta1 : float, default 0.9
     Decay of the first moment; a finite Python number in [0, 1).
@@ -87,13 +87,16 @@ beta2 : float, default 0.999
     Decay of the second moment; a finite Python number in [0, 1).""",
     "{adam_raises}": """\
 TypeError
+    ``eps``, ``weight_decay``, ``beta1`` or ``beta2`` not a Python ``int`` or ``float``
+    (``bool`` included; checked before the lists); a ``bool`` ``step`` (checked only
+    when the lists are not empty).
     {optim_type_errors}
     {list_type_errors}
 ValueError
-    ``eps`` or ``weight_decay`` not a finite Python number >= 0, ``beta1`` or ``beta2``
-    not a finite Python number in [0, 1) (``bool`` included; these are checked before
-    the lists); a number ``lr`` that is negative or not finite; a number ``step`` below 1
-    or not finite (checked only when the lists are not empty).
+    ``eps`` or ``weight_decay`` below 0 or not finite, ``beta1`` or ``beta2`` outside
+    [0, 1) or not finite (checked before the lists); a number ``lr`` that is negative or
+    not finite; a number ``step`` below 1 or not finite (checked only when the lists are
+    not empty).
     {optim_value_errors}
     {list_value_errors}
 {runtime_errors}""",
@@ -156,8 +159,12 @@ def _finite(v):
 
 
 def _check_pos(opname, **kw):
+    """Python numbers, finite and >= 0: TypeError for anything else than an ``int`` or
+    ``float`` (``bool`` included), ValueError for a number out of range."""
     for k, v in kw.items():
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not _finite(v) or v < 0:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TypeError(f"{opname}: {k} must be a Python int or float (got {v!r})")
+        if not _finite(v) or v < 0:
             raise ValueError(f"{opname}: {k} must be a finite number >= 0 (got {v!r})")
 
 
@@ -193,6 +200,9 @@ def adam_launcher(opname, plan, s, *, lr, beta1, beta2, eps, weight_decay, step,
     update's step, >= 1) or a device float32 array."""
     with _launch.ensure_device(plan.device):
         lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale, s)
+        if isinstance(step, bool):
+            raise TypeError(f"{opname}: step must be a Python int or float or a one-element "
+                            f"float32 GPU array (got {step!r})")
         if isinstance(step, (int, float)):
             if not (_finite(step) and step >= 1):
                 raise ValueError(f"{opname}: step must be a finite number >= 1 (got {step})")
@@ -374,13 +384,14 @@ def sgd_(params, grads, momentum_buffers=None, *, lr, momentum=0.0, dampening=0.
     Raises
     ------
     TypeError
+        ``momentum``, ``dampening`` or ``weight_decay`` not a Python ``int`` or ``float``
+        (``bool`` included; checked before the lists).
         {optim_type_errors}
         {list_type_errors}
     ValueError
-        ``momentum``, ``dampening`` or ``weight_decay`` not a finite Python number >= 0
-        (``bool`` included); a number ``lr`` that is negative or not finite; a nonzero
-        ``momentum`` without ``momentum_buffers``; ``nesterov`` with ``momentum <= 0`` or
-        ``dampening != 0``.
+        ``momentum``, ``dampening`` or ``weight_decay`` below 0 or not finite; a number
+        ``lr`` that is negative or not finite; a nonzero ``momentum`` without
+        ``momentum_buffers``; ``nesterov`` with ``momentum <= 0`` or ``dampening != 0``.
         {optim_value_errors}
         {list_value_errors}
     {runtime_errors}
@@ -456,12 +467,13 @@ def lion_(params, grads, exp_avgs, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.
     Raises
     ------
     TypeError
+        ``weight_decay``, ``beta1`` or ``beta2`` not a Python ``int`` or ``float``
+        (``bool`` included; checked before the lists).
         {optim_type_errors}
         {list_type_errors}
     ValueError
-        ``weight_decay`` not a finite Python number >= 0; ``beta1`` or ``beta2`` not a
-        finite Python number in [0, 1) (``bool`` included); a number ``lr`` that is
-        negative or not finite.
+        ``weight_decay`` below 0 or not finite; ``beta1`` or ``beta2`` outside [0, 1) or
+        not finite; a number ``lr`` that is negative or not finite.
         {optim_value_errors}
         {list_value_errors}
     {runtime_errors}

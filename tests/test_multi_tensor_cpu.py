@@ -516,3 +516,31 @@ def test_optimizer_argument_rules_found_by_review(monkeypatch):
     foreach.axpy_(2.0, 3.0, [a])
     foreach.axpy_(2.0, [b], [a])
     assert seen[0][2] == 6.0 and seen[1][2] == [b]
+
+
+# -- review fixes ---------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["1e-8", None, True, np.float32(1e-8)])
+def test_optimizer_hyper_parameters_of_a_wrong_type_are_type_errors(bad):
+    a, b = FakeCAI((3,)), FakeCAI((3,))
+    with pytest.raises(TypeError, match="adam_: eps must be a Python int or float"):
+        optim.adam_([a], [b], [a], [b], lr=0.1, step=1, eps=bad)
+    with pytest.raises(TypeError, match="adamw_: beta2 must be a Python int or float"):
+        optim.adamw_([a], [b], [a], [b], lr=0.1, step=1, beta2=bad)
+    with pytest.raises(TypeError, match="sgd_: momentum must be a Python int or float"):
+        optim.sgd_([a], [b], lr=0.1, momentum=bad)
+    with pytest.raises(TypeError, match="lion_: weight_decay must be a Python int or float"):
+        optim.lion_([a], [b], [a], lr=0.1, weight_decay=bad)
+    with pytest.raises(ValueError, match="adam_: eps must be a finite number >= 0"):
+        optim.adam_([a], [b], [a], [b], lr=0.1, step=1, eps=-1e-8)  # a number out of range
+
+
+@pytest.mark.parametrize("step", [True, False])
+def test_a_bool_step_is_refused(sim, monkeypatch, step):
+    """step=True was taken as 1 (and False gave a ValueError about its value)."""
+    import types
+
+    a, b, c, d = (FakeCAI((3,), ptr=0x7F0000000000 + k * 4096) for k in range(4))
+    monkeypatch.setattr(F, "resolve", lambda *a, **k: (types.SimpleNamespace(device=0), 0x5700))
+    with pytest.raises(TypeError, match="adam_: step must be a Python int or float or a "
+                                        "one-element float32 GPU array"):
+        optim.adam_([a], [b], [c], [d], lr=0.1, step=step)
