@@ -1266,6 +1266,32 @@ def test_a_lion_step_refused_by_its_checks_steps_no_group(checked_launches):
     assert len(launches) == 2
 
 
+def test_lion_checks_lr_and_weight_decay_as_torch_optimizers_do():
+    """A negative weight_decay (or lr) was accepted, and reached the kernel unchecked."""
+    from cupylab.torch import optim as O
+
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    for kw, err, what in ((dict(weight_decay=-0.1), ValueError, "weight_decay must be a finite"),
+                          (dict(weight_decay=float("nan")), ValueError, "weight_decay must be"),
+                          (dict(weight_decay=None), TypeError, "weight_decay must be a Python"),
+                          (dict(lr=-1e-4), ValueError, "lr must be a finite number >= 0"),
+                          (dict(lr=float("inf")), ValueError, "lr must be a finite number"),
+                          (dict(lr="1e-4"), TypeError, "lr must be a Python int or float"),
+                          (dict(betas=(0.9, 1.0)), ValueError, r"betas must be in \[0, 1\)")):
+        with pytest.raises(err, match=f"Lion: {what}"):
+            O.Lion([p], **kw)
+        with pytest.raises(err, match=f"Lion: {what}"):  # a group given to the constructor
+            O.Lion([{"params": [p], **kw}])
+    O.Lion([p], lr=torch.tensor(1e-4))  # a tensor lr is checked at the step
+    opt = O.Lion([p], lr=1e-4)
+    for bad in ({"lr": -1.0}, {"weight_decay": -1e-2}, {"betas": (1.5, 0.9)}):
+        with pytest.raises(ValueError, match="Lion: "):
+            opt.add_param_group({"params": [q], **bad})
+        assert len(opt.param_groups) == 1  # refused before it joined
+    opt.add_param_group({"params": [q], "lr": 1e-3})
+    assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[1]["lr"] == 1e-3
+
+
 # -- the torch promotion rule (cupylab._promotion) against torch itself ----------------------
 def _tkey(name, zero_d=False):
     return ("a", name, zero_d)

@@ -764,12 +764,14 @@ class Lion(_Fused, torch.optim.Optimizer):
     params : iterable of tensors or param groups
         The CUDA parameters.
     lr : float or one-element float32 CUDA tensor, default 1e-4
-        A CUDA tensor is read on the device at every step. Not checked here.
+        A Python number must be finite and >= 0. A tensor is not checked here: a CUDA
+        tensor is read on the device at every step (which checks it is a one-element
+        float32 tensor on the params' GPU).
     betas : (float, float), default (0.9, 0.99)
         ``beta1`` (the update's interpolation) and ``beta2`` (the momentum's decay), each
         in [0, 1).
     weight_decay : float, default 0.0
-        Decoupled (``p *= 1 - lr * weight_decay``).
+        Decoupled (``p *= 1 - lr * weight_decay``); a finite Python number >= 0.
     maximize : bool, default False
         Step along the gradient instead of against it.
     master_weights : bool, default False
@@ -777,19 +779,62 @@ class Lion(_Fused, torch.optim.Optimizer):
 
     Raises
     ------
+    TypeError
+        An ``lr`` that is neither a tensor nor a Python ``int`` or ``float``, or a
+        ``weight_decay`` that is not a Python ``int`` or ``float`` (``bool`` included).
     ValueError
-        A beta outside [0, 1).
+        A number ``lr`` or a ``weight_decay`` that is negative or not finite; a beta
+        outside [0, 1). The same checks apply to the param groups given here or added
+        later (:meth:`add_param_group`), for the values they set.
     """
 
     _cl_state_keys = ("exp_avg",)
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
                  master_weights=False):
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Lion: betas must be in [0, 1) (got {betas})")
+        self._cl_check(dict(lr=lr, betas=betas, weight_decay=weight_decay))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                                       maximize=maximize))
         self._cl_setup(master_weights)
+
+    @staticmethod
+    def _cl_check(hyper):
+        """The hyper-parameters that ``hyper`` (the defaults, or a param group) sets."""
+        lr = hyper.get("lr")
+        if "lr" in hyper and not isinstance(lr, torch.Tensor):
+            _optim._check_pos("Lion", lr=lr)
+        if "weight_decay" in hyper:
+            _optim._check_pos("Lion", weight_decay=hyper["weight_decay"])
+        if "betas" in hyper:
+            betas = hyper["betas"]
+            if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+                raise ValueError(f"Lion: betas must be in [0, 1) (got {betas})")
+
+    def add_param_group(self, param_group):
+        """Add a param group, as torch's ``add_param_group``.
+
+        Parameters
+        ----------
+        param_group : dict
+            ``"params"`` and any of Lion's hyper-parameters (``lr``, ``betas``,
+            ``weight_decay``, ``maximize``), each checked as by the constructor before the
+            group joins; it may also set its own ``"master_weights"``, else it gets the
+            optimizer's.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        TypeError, ValueError
+            A hyper-parameter the constructor would refuse (checked before the group
+            joins); torch's own checks of the group (e.g. a parameter that is already in
+            another group).
+        """
+        if isinstance(param_group, dict):  # refused before it joins (torch checks the rest)
+            self._cl_check(param_group)
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
