@@ -540,6 +540,6 @@ def increment_step_(step, found_inf=None, *, stream=None):
               if found_inf is not None else 0)
         from . import _arrays  # noqa: PLC0415
 
-        ptr = _arrays.as_view(step).ptr
+        ptr = _arrays.as_view(step, "increment_step_: step", s).ptr  # for the launch stream
         k = P.kernel("norm", "cl::mt::mt_step_inc", ("Q", "i", "Q"))
         P.run_kernel(k, plan, 1, 32, s, (ptr, plan.sizes[0], fi))

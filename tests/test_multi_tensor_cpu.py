@@ -544,3 +544,30 @@ def test_a_bool_step_is_refused(sim, monkeypatch, step):
     with pytest.raises(TypeError, match="adam_: step must be a Python int or float or a "
                                         "one-element float32 GPU array"):
         optim.adam_([a], [b], [c], [d], lr=0.1, step=step)
+
+
+def test_dlpack_inputs_read_again_are_asked_for_the_launch_stream(sim, monkeypatch):
+    """The output allocation of the out-of-place operators and increment_step_'s pointer
+    import DLPack producers a second time; they must be told the launch stream there too
+    (they were told the legacy default stream)."""
+    import types
+
+    from conftest import FakeDLPack
+
+    xs = [FakeDLPack((4,)), FakeDLPack((2, 3), ptr=0x7F0000002000)]
+    made = []
+    monkeypatch.setattr(F, "_new", lambda plan, shape, dt, s, stream: made.append((shape, s)))
+    F._alloc_like("foreach.add", xs, types.SimpleNamespace(device=0, kind="dlpack"), 0x99, 0x99)
+    assert made == [((4,), 0x99), ((2, 3), 0x99)]
+    assert [x.asked_stream for x in xs] == [0x99, 0x99]
+
+    def build(views, sizes, device, kind, s):
+        return types.SimpleNamespace(device=device, kind=kind, sizes=sizes, groups=[
+            types.SimpleNamespace(sig=(views[0][0].dtype.name,))])
+
+    monkeypatch.setattr(P, "build", build)
+    step = FakeDLPack((1,), ptr=0x7F0000003000)
+    optim.increment_step_(step)
+    assert step.asked_stream == 0x5700
+    assert sim["launches"][-1]["name"] == "cl::mt::mt_step_inc"
+    assert sim["launches"][-1]["stream"] == 0x5700

@@ -274,9 +274,10 @@ def _ew_kernel(op, inplace):
 
 
 def _alloc_like(opname, xs, plan, s, stream):
-    """New arrays shaped like ``xs`` for the outputs (see :func:`_new`)."""
+    """New arrays shaped like ``xs`` for the outputs (see :func:`_new`); ``xs`` read as for a
+    launch on ``s`` (DLPack producers are told that stream, as when the lists are checked)."""
     return [_new(plan, v.shape, v.dtype, s, stream)
-            for v in (_arrays.as_view(x, f"{opname}: x") for x in xs)]
+            for v in (_arrays.as_view(x, f"{opname}: x", s) for x in xs)]
 
 
 def _finish_list(plan, outs, stream):
