@@ -571,3 +571,56 @@ def test_dlpack_inputs_read_again_are_asked_for_the_launch_stream(sim, monkeypat
     assert step.asked_stream == 0x5700
     assert sim["launches"][-1]["name"] == "cl::mt::mt_step_inc"
     assert sim["launches"][-1]["stream"] == 0x5700
+
+
+def test_lerp_with_empty_lists_returns_out_and_checks_the_lengths_as_add_does():
+    a = FakeCAI((3,))
+    for fn, args in ((foreach.lerp, ([], [], 0.5)), (foreach.add, ([], []))):
+        out = []
+        assert fn(*args, out=out) is out
+        out = ()
+        assert fn(*args, out=out) is out
+    assert foreach.lerp([], [], 0.5) == []
+    with pytest.raises(ValueError, match="foreach.lerp: tensors has 0 arrays but out has 1"):
+        foreach.lerp([], [], 0.5, out=[a])
+    with pytest.raises(ValueError, match="foreach.lerp: ends has 1 arrays but out has 0"):
+        foreach.lerp([], [a], 0.5, out=[])
+    with pytest.raises(TypeError, match="foreach.lerp: ends must be a list or tuple"):
+        foreach.lerp([], a, 0.5, out=[])
+
+
+@pytest.mark.parametrize("bad", ["2", True, None, np.float32(2.0), FakeCAI((1,))])
+def test_alpha_must_be_a_python_number(bad, monkeypatch):
+    """alpha went through float(): strings and bools passed, and a one-element device array
+    was read back to the host (a hidden synchronisation)."""
+    a, b = FakeCAI((3,)), FakeCAI((3,), ptr=0x7F0000100000)
+    calls = [("foreach.add_", lambda: foreach.add_([a], [b], alpha=bad)),
+             ("foreach.add_", lambda: foreach.add_([a], 1.0, alpha=bad)),
+             ("foreach.add", lambda: foreach.add([a], [b], alpha=bad)),
+             ("foreach.add", lambda: foreach.add([], [], alpha=bad)),
+             ("foreach.axpy_", lambda: foreach.axpy_(bad, [b], [a])),
+             ("foreach.axpy_", lambda: foreach.axpy_(bad, 3.0, [a]))]
+    for name, call in calls:
+        with pytest.raises(TypeError, match=f"{name}: alpha must be a Python number"):
+            call()
+    seen = []
+    monkeypatch.setattr(F, "_binary", lambda *args, **kw: seen.append(args[7]))
+    foreach.add_([a], [b], alpha=np.float64(0.5))  # a float subclass, as for lerp's weight
+    foreach.axpy_(2, [b], [a])
+    assert seen == [0.5, 2]
+
+
+@pytest.mark.parametrize("eps,err", [("1e-6", TypeError), (None, TypeError), (True, TypeError),
+                                     (np.float32(1e-6), TypeError), (-1e-6, ValueError),
+                                     (float("nan"), ValueError), (float("inf"), ValueError),
+                                     (10**400, ValueError)])
+def test_clip_refuses_a_bad_eps_before_the_gpu(eps, err):
+    with pytest.raises(err, match="foreach.clip_by_global_norm_: eps must be a"):
+        foreach.clip_by_global_norm_([FakeCAI((3,))], 1.0, eps=eps)
+
+
+def test_clip_takes_a_zero_or_integer_eps(monkeypatch):
+    monkeypatch.setattr(F, "resolve", lambda *a, **k: (None, None))  # stops after the checks
+    for eps in (0, 0.0, 1, np.float64(1e-6)):
+        with pytest.raises(ValueError, match="tensors is empty"):
+            foreach.clip_by_global_norm_([FakeCAI((3,))], 1.0, eps=eps)

@@ -256,6 +256,12 @@ def _is_scalar(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _check_alpha(opname, alpha):
+    """``alpha`` of add_, add and axpy_: a Python number, as lerp's ``weight``."""
+    if not _is_scalar(alpha):
+        raise TypeError(f"{opname}: alpha must be a Python number (got {alpha!r})")
+
+
 def _scalar_or_device(opname, pname, x, plan, stream=None):
     """(host value, device pointer) for a Python number or a one-element float32 array."""
     if _is_scalar(x):
@@ -412,8 +418,10 @@ def add_(tensors, other, *, alpha=1.0, stream=None):
         ``tensors[i]`` (it may be ``tensors[i]`` itself). A number must be a Python ``int``
         or ``float`` (a ``numpy.float64`` passes, being a float; ``bool``, other NumPy
         scalars and device arrays do not) and is used as it is, inf and NaN included.
-    alpha : float, default 1.0
-        Multiplier of a list ``other``, converted with ``float()`` and not checked further.
+    alpha : int or float, default 1.0
+        Multiplier of a list ``other``: a Python number (``bool``, NumPy scalars other than
+        ``numpy.float64`` and device arrays are refused, even when ``other`` is a number),
+        not checked for finiteness.
     {stream_param}
 
     Returns
@@ -423,19 +431,21 @@ def add_(tensors, other, *, alpha=1.0, stream=None):
     Raises
     ------
     TypeError
-        ``other`` neither a list or tuple nor a Python number; ``other[i]`` of another
-        dtype than ``tensors[i]``; an ``alpha`` that ``float()`` refuses.
+        ``alpha`` not a Python number (checked first); ``other`` neither a list or tuple
+        nor a Python number; ``other[i]`` of another dtype than ``tensors[i]``.
         {list_type_errors}
     ValueError
         {list_value_errors}
     OverflowError
-        A Python ``int`` ``other`` too large for a float64.
+        A Python ``int`` ``other``, or ``alpha`` with a list ``other``, too large for a
+        float64.
     {runtime_errors}
 
     Notes
     -----
     {launch_notes}
     """
+    _check_alpha("foreach.add_", alpha)
     _binary("foreach.add_", tensors, other, None, stream, "add", "add_scalar", alpha)
 
 
@@ -453,8 +463,8 @@ def add(tensors, other, *, alpha=1.0, out=None, stream=None):
     other : list or tuple of GPU arrays, or int or float
         As for :func:`add_`: a list of the arrays' length, shapes and dtypes, or a Python
         ``int`` or ``float``.
-    alpha : float, default 1.0
-        Multiplier of a list ``other``, converted with ``float()``.
+    alpha : int or float, default 1.0
+        Multiplier of a list ``other``: a Python number, as for :func:`add_`.
     out : list or tuple of GPU arrays, optional
         Written: ``out[i]`` of the shape and dtype of ``tensors[i]``, from the same
         framework. ``out[i]`` may be ``tensors[i]`` or ``other[i]`` (in place) but must not
@@ -472,14 +482,15 @@ def add(tensors, other, *, alpha=1.0, out=None, stream=None):
     Raises
     ------
     TypeError
-        ``tensors`` not a list or tuple; ``other`` neither a list or tuple nor a Python
-        number; ``other[i]`` or ``out[i]`` of another dtype than ``tensors[i]``; an
-        ``alpha`` that ``float()`` refuses.
+        ``alpha`` not a Python number (checked first); ``tensors`` not a list or tuple;
+        ``other`` neither a list or tuple nor a Python number; ``other[i]`` or ``out[i]``
+        of another dtype than ``tensors[i]``.
         {list_type_errors}
     ValueError
         {list_value_errors}
     OverflowError
-        A Python ``int`` ``other`` too large for a float64.
+        A Python ``int`` ``other``, or ``alpha`` with a list ``other``, too large for a
+        float64.
     {runtime_errors}
 
     Notes
@@ -488,6 +499,7 @@ def add(tensors, other, *, alpha=1.0, out=None, stream=None):
 
     {alloc_notes}
     """
+    _check_alpha("foreach.add", alpha)
     return _out_of_place("foreach.add", tensors, other, out, stream, "add", "add_scalar", alpha)
 
 
@@ -500,9 +512,9 @@ def axpy_(alpha, x, y, *, stream=None):
 
     Parameters
     ----------
-    alpha : float
-        The multiplier. With a list ``x`` it is converted with ``float()`` and not checked
-        further; with a number ``x`` it must be a Python ``int`` or ``float``.
+    alpha : int or float
+        The multiplier: a Python number (``bool``, NumPy scalars other than
+        ``numpy.float64`` and device arrays are refused), not checked for finiteness.
     x : list or tuple of GPU arrays, or int or float
         A list of the length of ``y``, ``x[i]`` of the shape and dtype of ``y[i]`` (it may
         be ``y[i]`` itself); or a Python ``int`` or ``float``.
@@ -518,9 +530,8 @@ def axpy_(alpha, x, y, *, stream=None):
     Raises
     ------
     TypeError
-        ``x`` neither a list or tuple nor a Python number; a number ``x`` with an ``alpha``
-        that is not a Python number; ``x[i]`` of another dtype than ``y[i]``; with a list
-        ``x``, an ``alpha`` that ``float()`` refuses.
+        ``alpha`` not a Python number (checked first); ``x`` neither a list or tuple nor a
+        Python number; ``x[i]`` of another dtype than ``y[i]``.
         {list_type_errors}
     ValueError
         {list_value_errors}
@@ -532,9 +543,8 @@ def axpy_(alpha, x, y, *, stream=None):
     -----
     {launch_notes}
     """
+    _check_alpha("foreach.axpy_", alpha)
     if _is_scalar(x):  # a number: alpha * x is the scalar added (alpha was dropped)
-        if not _is_scalar(alpha):
-            raise TypeError(f"foreach.axpy_: alpha must be a Python number (got {alpha!r})")
         x = alpha * x
     _binary("foreach.axpy_", y, x, None, stream, "add", "add_scalar", alpha)
 
@@ -752,9 +762,9 @@ def lerp(tensors, ends, weight, *, out=None, stream=None):
     Returns
     -------
     list or tuple of GPU arrays
-        ``out`` itself when given; otherwise a new list of new arrays in the inputs'
-        framework, as :func:`add` returns. An empty ``tensors`` returns a new empty list
-        ``[]``, even when ``out`` is given (``ends`` and ``out`` are then not looked at).
+        ``out`` itself when given (the lengths of ``out``, ``tensors`` and ``ends`` are
+        checked even when ``tensors`` is empty); otherwise a new list of new arrays in the
+        inputs' framework, as :func:`add` returns, and ``[]`` for an empty ``tensors``.
 
     Raises
     ------
@@ -778,9 +788,9 @@ def lerp(tensors, ends, weight, *, out=None, stream=None):
         raise TypeError(f"foreach.lerp: weight must be a Python number (got {type(weight)})")
     if type(tensors) not in (list, tuple):
         raise TypeError("foreach.lerp: tensors must be a list or tuple of GPU arrays")
-    if not tensors:
-        return []
     if out is None:
+        if not tensors:
+            return []
         plan, s = resolve("foreach.lerp", ["tensors"], [tensors], 0, stream=stream)
         with _launch.ensure_device(plan.device):
             out = _alloc_like("foreach.lerp", tensors, plan, s, stream)
@@ -789,6 +799,8 @@ def lerp(tensors, ends, weight, *, out=None, stream=None):
         fresh = False
     plan, s = resolve("foreach.lerp", ["out", "tensors", "ends"], [out, tensors, ends], 1,
                       stream=stream, free=(0,) if fresh else ())
+    if plan is None:  # empty lists (of equal lengths): nothing to compute, as add and mul
+        return out
     with _launch.ensure_device(plan.device):
         P.launch(plan, _ew_kernel("lerp", False), _args((weight,)), s)
     return _finish_list(plan, out, s) if fresh else out
@@ -1014,8 +1026,9 @@ def clip_by_global_norm_(tensors, max_norm, *, eps=1e-6, stream=None):
         A Python number (``bool`` and NumPy scalars other than ``numpy.float64`` are
         refused). Not checked further: a negative value gives a negative factor, ``inf``
         leaves the arrays unchanged.
-    eps : float, default 1e-6
-        Added to the norm before the division; converted with ``float()``, not checked.
+    eps : int or float, default 1e-6
+        Added to the norm before the division: a finite Python number >= 0 (``bool`` and
+        NumPy scalars other than ``numpy.float64`` are refused).
     {stream_param}
 
     Returns
@@ -1027,11 +1040,10 @@ def clip_by_global_norm_(tensors, max_norm, *, eps=1e-6, stream=None):
     Raises
     ------
     TypeError
-        ``max_norm`` not a Python number (checked first); an ``eps`` that ``float()``
-        refuses.
+        ``max_norm`` or ``eps`` not a Python number (checked first).
         {list_type_errors}
     ValueError
-        An empty list.
+        ``eps`` negative or not finite (checked first); an empty list.
         {list_value_errors}
     OverflowError
         A Python ``int`` ``max_norm`` too large for a float64.
@@ -1045,6 +1057,13 @@ def clip_by_global_norm_(tensors, max_norm, *, eps=1e-6, stream=None):
     """
     if not _is_scalar(max_norm):
         raise TypeError(f"foreach.clip_by_global_norm_: max_norm must be a number (got {max_norm!r})")
+    if not _is_scalar(eps):
+        raise TypeError(f"foreach.clip_by_global_norm_: eps must be a Python number "
+                        f"(got {eps!r})")
+    # ValueError for inf, NaN and an int too large for a float64; then the sign
+    if real_value("foreach.clip_by_global_norm_", "eps", eps, "a finite number >= 0") < 0:
+        raise ValueError(f"foreach.clip_by_global_norm_: eps must be a finite number >= 0 "
+                         f"(got {eps!r})")
     plan, s = resolve("foreach.clip_by_global_norm_", ["tensors"], [tensors], 1, stream=stream)
     if plan is None:
         raise ValueError("foreach.clip_by_global_norm_: tensors is empty")
