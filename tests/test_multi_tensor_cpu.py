@@ -624,3 +624,51 @@ def test_clip_takes_a_zero_or_integer_eps(monkeypatch):
     for eps in (0, 0.0, 1, np.float64(1e-6)):
         with pytest.raises(ValueError, match="tensors is empty"):
             foreach.clip_by_global_norm_([FakeCAI((3,))], 1.0, eps=eps)
+
+
+@pytest.mark.parametrize("which", ["nonfinite_check", "unscale_"])
+def test_a_prepared_check_zeroes_the_flag_it_made_at_every_replay(sim, monkeypatch, which):
+    """The flag a call allocates is zeroed on the launch stream before the check at every
+    replay (once an inf was seen, every later replay reported one); a flag passed in is never
+    zeroed, prepared or not."""
+    import types
+
+    from cupylab import _runtime
+
+    events = []
+    rt = types.SimpleNamespace(
+        memsetAsync=lambda ptr, value, n, s: events.append(("memset", ptr, value, n, s)),
+        streamSynchronize=lambda s: None)
+    monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(
+        cuda=types.SimpleNamespace(runtime=rt)))
+
+    class K:
+        def function(self, device):
+            return None
+
+        def launch(self, device, grid, block, stream, args):
+            events.append(("kernel", args[-2], stream))  # p[2]: the flag
+
+    group = types.SimpleNamespace(sig=("float32",), nblocks=1, tab_ptr=0x100, map_ptr=0x200)
+    plan = types.SimpleNamespace(device=0, kind="cupy", chunk=2048, groups=[group])
+    monkeypatch.setattr(F, "resolve", lambda *a, **k: (plan, 0x5700))
+    monkeypatch.setattr(F, "_new", lambda *a: FakeCAI((1,), ptr=0xF00))
+    monkeypatch.setattr(P, "kernel", lambda *a, **k: K())
+    fn = getattr(foreach, which)
+    args = ([FakeCAI((3,))],) if which == "nonfinite_check" else ([FakeCAI((3,))], 0.5)
+    call = foreach.prepare(fn, *args)
+    assert events == [("memset", 0xF00, 0, 4, 0x5700)]  # zeroed when prepared; no launch
+    events.clear()
+    for _ in range(2):
+        assert call() is call.result
+    assert events == [("memset", 0xF00, 0, 4, 0x5700), ("kernel", 0xF00, 0x5700)] * 2
+    events.clear()
+    fn(*args)  # unprepared: the same order
+    assert events == [("memset", 0xF00, 0, 4, 0x5700), ("kernel", 0xF00, 0x5700)]
+    events.clear()
+    mine = FakeCAI((1,), ptr=0xABC)
+    call = foreach.prepare(fn, *args, found_inf=mine)
+    call()
+    call()
+    fn(*args, found_inf=mine)
+    assert call.result is mine and events == [("kernel", 0xABC, 0x5700)] * 3

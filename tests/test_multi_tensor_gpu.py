@@ -548,3 +548,45 @@ def test_lerp_copy_and_unscale_round_as_the_references_do():
     gr = torch.randn(4099, generator=g, device="cuda") * 3
     optim.sgd_([p], [gr], lr=1.0, grad_scale=torch.tensor([3.0], device="cuda"))
     assert torch.equal(p, -(gr / 3.0))
+
+
+@pytest.mark.parametrize("which", ["nonfinite_check", "unscale_"])
+def test_a_prepared_check_reports_each_replay_on_its_own(which):
+    """The flag a prepared call allocated was zeroed only when it was prepared: once a replay
+    had seen an inf, every later replay reported one. It is zeroed at every replay, in a
+    captured graph too; a flag passed in keeps accumulating, as across calls."""
+    import cupy as cp
+
+    xs = [cp.ones(5, cp.float32), cp.ones(70001, cp.float32)]
+    fn = getattr(foreach, which)
+    args = (xs,) if which == "nonfinite_check" else (xs, 1.0)
+    call = foreach.prepare(fn, *args)
+    fi = call.result
+    assert float(fi[0]) == 0.0
+    seen = []
+    for bad in (False, True, False, True, False):
+        xs[1][7] = cp.inf if bad else 1.0
+        assert call() is fi
+        seen.append(float(fi[0]))
+    assert seen == [0.0, 1.0, 0.0, 1.0, 0.0]
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        s.begin_capture()
+        call()
+        graph = s.end_capture()
+    seen = []
+    for bad in (True, False, True):
+        xs[1][7] = cp.inf if bad else 1.0  # on the null stream, which s does not wait for
+        cp.cuda.Device().synchronize()
+        graph.launch(s)
+        s.synchronize()
+        seen.append(float(fi[0]))
+    assert seen == [1.0, 0.0, 1.0]
+    mine = cp.zeros(1, cp.float32)
+    acc = foreach.prepare(fn, *args, found_inf=mine)
+    for bad in (True, False):
+        xs[1][7] = cp.inf if bad else 1.0
+        acc()
+    assert acc.result is mine and float(mine[0]) == 1.0
+    assert all(bool((x == 1).all()) for x in xs)  # unscaled by 1.0, or only read

@@ -484,9 +484,37 @@ def run_kernel(k, plan, grid, block, stream, args):
     k.launch(plan.device, grid, block, stream, args)
 
 
+class _Memset:
+    """In a recorded launch list, stands where a kernel would: its ``launch`` zeroes
+    ``args[1]`` bytes at ``args[0]`` with ``cudaMemsetAsync`` on the launch stream (which a
+    CUDA graph capture records as a memset node)."""
+
+    name_expression = "cudaMemsetAsync"
+
+    def function(self, device):
+        return None
+
+    def launch(self, device, grid, block, stream, args):
+        _runtime.cupy().cuda.runtime.memsetAsync(args[0], 0, args[1], stream)
+
+
+_MEMSET = _Memset()
+
+
+def zero_fill(plan, ptr, nbytes, stream):
+    """Zero ``nbytes`` at ``ptr`` on ``stream`` now and, while :func:`record` is active, note
+    the memset too: every replay of the prepared call zeroes again before the launches
+    recorded after it, as a new call would (the ``found_inf`` flag a call allocates)."""
+    _MEMSET.launch(plan.device, 1, 1, stream, (ptr, nbytes))
+    log = getattr(_recording, "log", None)
+    if log is not None:
+        log.append((_MEMSET, plan.device, 1, 1, (ptr, nbytes), plan.kind))
+
+
 class record:
     """Context manager: the launches of the multi-tensor operators called inside are noted in
-    ``.launches`` instead of run, and the plans they use in ``.plans``."""
+    ``.launches`` instead of run (the memsets of :func:`zero_fill` are run and noted), and
+    the plans they use in ``.plans``."""
 
     def __enter__(self):
         if getattr(_recording, "log", None) is not None:

@@ -1078,11 +1078,12 @@ def clip_by_global_norm_(tensors, max_norm, *, eps=1e-6, stream=None):
 
 def _found_inf(opname, plan, found_inf, s, stream):
     """``(found_inf, its address)``: the caller's flag, or a new one zeroed on the launch
-    stream ``s`` (``stream``: the call's ``stream=``)."""
+    stream ``s`` (``stream``: the call's ``stream=``), and zeroed again at every replay when
+    the call is prepared. A caller's flag is never zeroed (it accumulates)."""
     if found_inf is None:
         found_inf = _new(plan, (1,), _result_dtype_f32(), s, stream)
         ptr = _arrays.as_view(found_inf).ptr
-        _runtime.cupy().cuda.runtime.memsetAsync(ptr, 0, 4, s)
+        P.zero_fill(plan, ptr, 4, s)
         return found_inf, ptr
     return found_inf, device_scalar(opname, "found_inf", found_inf, plan, writable=True,
                                     stream=s)
@@ -1134,8 +1135,11 @@ def nonfinite_check(tensors, found_inf=None, *, stream=None):
     -----
     {launch_notes}
 
-    Under :func:`prepare` a new flag is allocated and zeroed once, when the call is
-    prepared, not at every replay: zero it between replays (or pass your own).
+    Under :func:`prepare` a new flag is allocated once, when the call is prepared, and
+    zeroed on the launch stream before the check at every replay (a memset, which a CUDA
+    graph capture of the replay records too), so that each replay reports its own arrays,
+    as a new call would. A flag passed in is never zeroed, prepared or not: it keeps
+    accumulating.
     """
     plan, s = resolve("foreach.nonfinite_check", ["tensors"], [tensors], 0, stream=stream)
     if plan is None:
@@ -1192,8 +1196,11 @@ def unscale_(tensors, inv_scale, found_inf=None, *, stream=None):
     -----
     {launch_notes}
 
-    Under :func:`prepare` a new flag is allocated and zeroed once, when the call is
-    prepared, not at every replay: zero it between replays (or pass your own).
+    Under :func:`prepare` a new flag is allocated once, when the call is prepared, and
+    zeroed on the launch stream before the check at every replay (a memset, which a CUDA
+    graph capture of the replay records too), so that each replay reports its own arrays,
+    as a new call would. A flag passed in is never zeroed, prepared or not: it keeps
+    accumulating.
     """
     plan, s = resolve("foreach.unscale_", ["tensors"], [tensors], 1, stream=stream)
     if plan is None:
@@ -1267,7 +1274,8 @@ def prepare(fn, *args, stream=None, **kwargs):
     host cost does not depend on the number of arrays). Everything is validated here, nothing
     runs here except allocations the call makes (outputs, a zeroed ``found_inf``) and the
     upload of the launch tables, which this function waits for (once, on the host), since the
-    replays may run on any stream.
+    replays may run on any stream. A ``found_inf`` flag the call allocates is zeroed again at
+    every replay, before the launches (see :func:`nonfinite_check`).
 
     Host scalars are frozen into the launch (``alpha``, ``lr``, an integer ``step``...): pass
     one-element float32 GPU arrays for values that change between calls (``lr``, ``step``,
