@@ -221,7 +221,7 @@ def test_prepared_call_keeps_the_plans_its_launches_point_into(sim, monkeypatch)
         P.run_kernel(K(), plan, 1, 32, stream, (id(plan), 2))
         return weakref.ref(plan)
 
-    fake_op.__module__ = F.__name__
+    monkeypatch.setattr(F, "_preparable", lambda: (fake_op,))  # prepare takes it
     call = foreach.prepare(fake_op)
     ref = call.result
     gc.collect()
@@ -672,3 +672,18 @@ def test_a_prepared_check_zeroes_the_flag_it_made_at_every_replay(sim, monkeypat
     call()
     fn(*args, found_inf=mine)
     assert call.result is mine and events == [("kernel", 0xABC, 0x5700)] * 3
+
+
+def test_prepare_takes_only_the_public_foreach_and_optim_functions():
+    """An explicit list: private helpers and the PreparedForeach class had passed a check by
+    __module__ (and then failed on their arguments); it names every public function."""
+    names = {m: set(ns) for m, ns in F._PREPARABLE}
+    assert names["foreach"] == set(foreach.__all__) - {"prepare", "PreparedForeach"}
+    assert names["optim"] == set(optim.__all__)
+    assert F._preparable()[0] is foreach.add and F._preparable()[-1] is optim.increment_step_
+    for bad in (F._binary, F._alloc_like, F.resolve, F.device_scalar, foreach.PreparedForeach,
+                optim.adam_launcher, optim._check_pos, print):
+        with pytest.raises(TypeError, match=r"is not a cupylab.foreach or cupylab.optim "
+                                            r"function that can be prepared \(one of "
+                                            r"foreach.add, .*optim.increment_step_\)"):
+            foreach.prepare(bad)

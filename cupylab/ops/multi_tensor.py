@@ -1266,6 +1266,27 @@ class PreparedForeach:
         return f"<cupylab prepared multi-tensor call, {len(self._launches)} launch(es)>"
 
 
+#: What :func:`prepare` takes: the public operators of cupylab.foreach and the steps of
+#: cupylab.optim, by module.
+_PREPARABLE = (("foreach", ("add", "add_", "axpy_", "mul", "mul_", "scale_", "lerp", "lerp_",
+                            "copy_", "zero_", "norm", "norms", "clip_by_global_norm_",
+                            "nonfinite_check", "unscale_")),
+               ("optim", ("adam_", "adamw_", "sgd_", "lion_", "increment_step_")))
+_preparable_fns = None
+
+
+def _preparable():
+    """The functions of :data:`_PREPARABLE` (looked up at the first call: cupylab.optim
+    imports this module)."""
+    global _preparable_fns
+    if _preparable_fns is None:
+        from .. import optim  # noqa: PLC0415
+
+        mods = {"foreach": sys.modules[__name__], "optim": optim}
+        _preparable_fns = tuple(getattr(mods[m], n) for m, names in _PREPARABLE for n in names)
+    return _preparable_fns
+
+
 def prepare(fn, *args, stream=None, **kwargs):
     """Validate a foreach or optimizer call once; return a callable that only launches.
 
@@ -1285,8 +1306,11 @@ def prepare(fn, *args, stream=None, **kwargs):
     Parameters
     ----------
     fn : callable
-        A function of :mod:`cupylab.foreach` (other than ``prepare``) or of
-        :mod:`cupylab.optim`; it must take a ``stream=`` keyword.
+        A public function of :mod:`cupylab.foreach` (other than ``prepare``) or of
+        :mod:`cupylab.optim`: ``add``, ``add_``, ``axpy_``, ``mul``, ``mul_``, ``scale_``,
+        ``lerp``, ``lerp_``, ``copy_``, ``zero_``, ``norm``, ``norms``,
+        ``clip_by_global_norm_``, ``nonfinite_check``, ``unscale_``, ``adam_``, ``adamw_``,
+        ``sgd_``, ``lion_`` or ``increment_step_``.
     *args, **kwargs
         Its arguments (``stream`` excepted: pass it to ``prepare``). The arrays must stay
         alive and keep their storage while the prepared call is used (it holds references
@@ -1306,24 +1330,17 @@ def prepare(fn, *args, stream=None, **kwargs):
     Raises
     ------
     TypeError
-        ``fn`` is not a function of :mod:`cupylab.foreach` or :mod:`cupylab.optim` (decided
-        by its ``__module__`` and ``__name__``).
+        ``fn`` is not one of those functions (decided by identity: a wrapper of one of them,
+        a private helper or :class:`PreparedForeach` is refused).
     RuntimeError
         ``prepare`` called while another ``prepare`` runs in the same thread (from ``fn``).
     Exception
         Whatever ``fn`` raises for these arguments (nothing is then recorded).
-
-    Notes
-    -----
-    The check of ``fn`` accepts every function whose ``__module__`` is
-    ``cupylab.ops.multi_tensor`` or ``cupylab.optim`` except ``prepare``, ``resolve`` and
-    ``device_scalar``; only the public ones are meant to be prepared.
     """
-    mod = getattr(fn, "__module__", "")
-    if mod not in (__name__, "cupylab.optim") or getattr(fn, "__name__", "") in (
-            "prepare", "resolve", "device_scalar"):
+    if not any(fn is f for f in _preparable()):
         raise TypeError(f"prepare: {getattr(fn, '__name__', fn)!r} is not a cupylab.foreach "
-                        "or cupylab.optim function")
+                        "or cupylab.optim function that can be prepared (one of "
+                        + ", ".join(f"{m}.{n}" for m, names in _PREPARABLE for n in names) + ")")
     with P.record() as rec:
         result = fn(*args, stream=stream, **kwargs)
     fixed = None
