@@ -30,15 +30,15 @@ from __future__ import annotations
 import math
 
 from . import _launch
+from .ops import _mt_core as F
 from .ops import _mt_plan as P
-from .ops import multi_tensor as F
 
 __all__ = ["adam_", "adamw_", "sgd_", "lion_", "increment_step_"]
 
 _COMBOS = {(p, s, m) for p, s, m in P.OPTIM_COMBOS}
 
 
-# Docstring pieces of the optimizer steps (with those of cupylab.ops.multi_tensor).
+# Docstring pieces of the optimizer steps (with those of the foreach operators, in _mt_core).
 _DOC_PIECES = {**F._DOC_PIECES, **{
     "{lr_param}": """\
 lr : int, float or one-element float32 GPU array

@@ -14,8 +14,11 @@ import pytest
 
 from cupylab import _dtypes, foreach, optim
 from cupylab._arrays import View
+from cupylab.ops import _mt_core as C
+from cupylab.ops import _mt_elementwise as E
 from cupylab.ops import _mt_plan as P
-from cupylab.ops import multi_tensor as F
+from cupylab.ops import _mt_prepare as PR
+from cupylab.ops import _mt_reduce as R
 
 from conftest import FakeCAI, compile_every
 
@@ -99,9 +102,9 @@ def test_cache_owns_no_array():
 
 
 def test_cache_key_only_for_cupy_and_torch():
-    assert F.cache_key([[FakeCAI((3,))]], 1) is None
-    assert F.cache_key([[]], 1) is None
-    assert F.cache_key([np.zeros(3)], 1) is None  # not a list of arrays
+    assert C.cache_key([[FakeCAI((3,))]], 1) is None
+    assert C.cache_key([[]], 1) is None
+    assert C.cache_key([np.zeros(3)], 1) is None  # not a list of arrays
 
 
 def test_argument_errors_before_the_gpu():
@@ -126,7 +129,7 @@ def test_argument_errors_before_the_gpu():
         optim.adam_([a], [b], [a], [b], lr=0.1, step=1, beta1=10**400)
     for bad in (float("nan"), float("inf"), 10**400):  # lr, scales: NaN made every param NaN
         with pytest.raises(ValueError, match="adam_: lr must be a finite number"):
-            F._scalar_or_device("adam_", "lr", bad, None)
+            C._scalar_or_device("adam_", "lr", bad, None)
 
 
 def test_mixed_frameworks_refused_before_the_gpu():
@@ -143,22 +146,22 @@ def _v(ptr, n, dt=F32):
 def test_aliasing_rules():
     x, y = _v(4096, 100), _v(8192, 100)
     # the same array at the same position of two lists: in place, allowed
-    F._check_aliasing("op", ["a", "b"], [[x, y], [x, y]], 1)
+    C._check_aliasing("op", ["a", "b"], [[x, y], [x, y]], 1)
     # written array overlapping another position
     with pytest.raises(ValueError, match=r"b\[1\] and a\[0\] overlap"):
-        F._check_aliasing("op", ["a", "b"], [[x, y], [y, x]], 1)
+        C._check_aliasing("op", ["a", "b"], [[x, y], [y, x]], 1)
     # partial overlap
     with pytest.raises(ValueError, match="overlap in memory"):
-        F._check_aliasing("op", ["a", "b"], [[x], [_v(4096 + 8, 10)]], 1)
+        C._check_aliasing("op", ["a", "b"], [[x], [_v(4096 + 8, 10)]], 1)
     # the same array twice in a written list
     with pytest.raises(ValueError, match="overlap in memory"):
-        F._check_aliasing("op", ["a"], [[x, x]], 1)
+        C._check_aliasing("op", ["a"], [[x, x]], 1)
     # one array as two written results (adam_'s exp_avgs[i] is exp_avg_sqs[i])
     with pytest.raises(ValueError, match=r"b\[0\] and a\[0\] overlap|a\[0\] and b\[0\] overlap"):
-        F._check_aliasing("op", ["a", "b"], [[x, y], [x, _v(16384, 100)]], 0b11)
+        C._check_aliasing("op", ["a", "b"], [[x, y], [x, _v(16384, 100)]], 0b11)
     # reads may overlap freely; empty arrays never overlap
-    F._check_aliasing("op", ["a", "b"], [[_v(0, 0)], [x]], 0)
-    F._check_aliasing("op", ["a", "b", "c"], [[y], [x], [_v(4096 + 8, 10)]], 1)
+    C._check_aliasing("op", ["a", "b"], [[_v(0, 0)], [x]], 0)
+    C._check_aliasing("op", ["a", "b", "c"], [[y], [x], [_v(4096 + 8, 10)]], 1)
 
 
 def test_import_cupylab_imports_no_framework_and_not_cupylab_torch():
@@ -221,7 +224,7 @@ def test_prepared_call_keeps_the_plans_its_launches_point_into(sim, monkeypatch)
         P.run_kernel(K(), plan, 1, 32, stream, (id(plan), 2))
         return weakref.ref(plan)
 
-    monkeypatch.setattr(F, "_preparable", lambda: (fake_op,))  # prepare takes it
+    monkeypatch.setattr(PR, "_preparable", lambda: (fake_op,))  # prepare takes it
     call = foreach.prepare(fake_op)
     ref = call.result
     gc.collect()
@@ -479,16 +482,16 @@ def test_a_stream_argument_uses_the_cache_too(monkeypatch):
         streams.append(s)
         return plan
 
-    monkeypatch.setattr(F, "cache_key", lambda lists, w: ("k", tuple(map(id, lists[0]))))
-    monkeypatch.setattr(F, "_validate", validate)
+    monkeypatch.setattr(C, "cache_key", lambda lists, w: ("k", tuple(map(id, lists[0]))))
+    monkeypatch.setattr(C, "_validate", validate)
     monkeypatch.setattr(P, "for_stream", for_stream)
     monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0x5700)
-    first, s = F.resolve("foreach.scale_", ["tensors"], [objs], 1, stream=0x99)
+    first, s = C.resolve("foreach.scale_", ["tensors"], [objs], 1, stream=0x99)
     assert built == [0x99] and s == 0x99
-    again, s = F.resolve("foreach.scale_", ["tensors"], [objs], 1, stream=0x99)
+    again, s = C.resolve("foreach.scale_", ["tensors"], [objs], 1, stream=0x99)
     assert again is first and s == 0x99 and built == [0x99] and streams == [0x99]
-    _, s = F.resolve("foreach.scale_", ["tensors"], [objs], 1)
+    _, s = C.resolve("foreach.scale_", ["tensors"], [objs], 1)
     assert s == 0x5700 and streams == [0x99, 0x5700] and built == [0x99]
     P.cache_clear()
 
@@ -512,7 +515,7 @@ def test_optimizer_argument_rules_found_by_review(monkeypatch):
     with pytest.raises(ValueError, match="sgd_: lr must be a finite number >= 0"):
         optim.sgd_([a], [b], lr=-0.1)
     seen = []
-    monkeypatch.setattr(F, "_binary", lambda *args: seen.append(args))
+    monkeypatch.setattr(E, "_binary", lambda *args: seen.append(args))
     foreach.axpy_(2.0, 3.0, [a])
     foreach.axpy_(2.0, [b], [a])
     assert seen[0][2] == 6.0 and seen[1][2] == [b]
@@ -540,7 +543,7 @@ def test_a_bool_step_is_refused(sim, monkeypatch, step):
     import types
 
     a, b, c, d = (FakeCAI((3,), ptr=0x7F0000000000 + k * 4096) for k in range(4))
-    monkeypatch.setattr(F, "resolve", lambda *a, **k: (types.SimpleNamespace(device=0), 0x5700))
+    monkeypatch.setattr(C, "resolve", lambda *a, **k: (types.SimpleNamespace(device=0), 0x5700))
     with pytest.raises(TypeError, match="adam_: step must be a Python int or float or a "
                                         "one-element float32 GPU array"):
         optim.adam_([a], [b], [c], [d], lr=0.1, step=step)
@@ -556,8 +559,8 @@ def test_dlpack_inputs_read_again_are_asked_for_the_launch_stream(sim, monkeypat
 
     xs = [FakeDLPack((4,)), FakeDLPack((2, 3), ptr=0x7F0000002000)]
     made = []
-    monkeypatch.setattr(F, "_new", lambda plan, shape, dt, s, stream: made.append((shape, s)))
-    F._alloc_like("foreach.add", xs, types.SimpleNamespace(device=0, kind="dlpack"), 0x99, 0x99)
+    monkeypatch.setattr(C, "_new", lambda plan, shape, dt, s, stream: made.append((shape, s)))
+    C._alloc_like("foreach.add", xs, types.SimpleNamespace(device=0, kind="dlpack"), 0x99, 0x99)
     assert made == [((4,), 0x99), ((2, 3), 0x99)]
     assert [x.asked_stream for x in xs] == [0x99, 0x99]
 
@@ -604,7 +607,7 @@ def test_alpha_must_be_a_python_number(bad, monkeypatch):
         with pytest.raises(TypeError, match=f"{name}: alpha must be a Python number"):
             call()
     seen = []
-    monkeypatch.setattr(F, "_binary", lambda *args, **kw: seen.append(args[7]))
+    monkeypatch.setattr(E, "_binary", lambda *args, **kw: seen.append(args[7]))
     foreach.add_([a], [b], alpha=np.float64(0.5))  # a float subclass, as for lerp's weight
     foreach.axpy_(2, [b], [a])
     assert seen == [0.5, 2]
@@ -620,7 +623,7 @@ def test_clip_refuses_a_bad_eps_before_the_gpu(eps, err):
 
 
 def test_clip_takes_a_zero_or_integer_eps(monkeypatch):
-    monkeypatch.setattr(F, "resolve", lambda *a, **k: (None, None))  # stops after the checks
+    monkeypatch.setattr(R, "resolve", lambda *a, **k: (None, None))  # stops after the checks
     for eps in (0, 0.0, 1, np.float64(1e-6)):
         with pytest.raises(ValueError, match="tensors is empty"):
             foreach.clip_by_global_norm_([FakeCAI((3,))], 1.0, eps=eps)
@@ -651,8 +654,8 @@ def test_a_prepared_check_zeroes_the_flag_it_made_at_every_replay(sim, monkeypat
 
     group = types.SimpleNamespace(sig=("float32",), nblocks=1, tab_ptr=0x100, map_ptr=0x200)
     plan = types.SimpleNamespace(device=0, kind="cupy", chunk=2048, groups=[group])
-    monkeypatch.setattr(F, "resolve", lambda *a, **k: (plan, 0x5700))
-    monkeypatch.setattr(F, "_new", lambda *a: FakeCAI((1,), ptr=0xF00))
+    monkeypatch.setattr(R, "resolve", lambda *a, **k: (plan, 0x5700))
+    monkeypatch.setattr(R, "_new", lambda *a: FakeCAI((1,), ptr=0xF00))
     monkeypatch.setattr(P, "kernel", lambda *a, **k: K())
     fn = getattr(foreach, which)
     args = ([FakeCAI((3,))],) if which == "nonfinite_check" else ([FakeCAI((3,))], 0.5)
@@ -677,11 +680,11 @@ def test_a_prepared_check_zeroes_the_flag_it_made_at_every_replay(sim, monkeypat
 def test_prepare_takes_only_the_public_foreach_and_optim_functions():
     """An explicit list: private helpers and the PreparedForeach class had passed a check by
     __module__ (and then failed on their arguments); it names every public function."""
-    names = {m: set(ns) for m, ns in F._PREPARABLE}
+    names = {m: set(ns) for m, ns in PR._PREPARABLE}
     assert names["foreach"] == set(foreach.__all__) - {"prepare", "PreparedForeach"}
     assert names["optim"] == set(optim.__all__)
-    assert F._preparable()[0] is foreach.add and F._preparable()[-1] is optim.increment_step_
-    for bad in (F._binary, F._alloc_like, F.resolve, F.device_scalar, foreach.PreparedForeach,
+    assert PR._preparable()[0] is foreach.add and PR._preparable()[-1] is optim.increment_step_
+    for bad in (E._binary, C._alloc_like, C.resolve, C.device_scalar, foreach.PreparedForeach,
                 optim.adam_launcher, optim._check_pos, print):
         with pytest.raises(TypeError, match=r"is not a cupylab.foreach or cupylab.optim "
                                             r"function that can be prepared \(one of "

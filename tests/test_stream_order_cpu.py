@@ -9,7 +9,7 @@ from contextlib import contextmanager, nullcontext
 import pytest
 
 from cupylab import _dtypes, _elementwise_core as core, _launch, _runtime
-from cupylab.ops import multi_tensor as F
+from cupylab.ops import _mt_reduce as R
 
 F32 = _dtypes.from_name("float32")
 
@@ -139,19 +139,19 @@ def test_cupy_stream_wrappers_are_kept_and_cupys_deprecation_stays_quiet(monkeyp
 def test_a_new_found_inf_is_zeroed_on_the_launch_stream(fake_cupy, monkeypatch, stream):
     """The flag the kernel sets must be zeroed before it, on the same stream (zeroing it on
     the framework's current stream could land after the kernel's write)."""
-    monkeypatch.setattr(F._arrays, "as_view", lambda a, what="": types.SimpleNamespace(ptr=0xF00))
+    monkeypatch.setattr(R._arrays, "as_view", lambda a, what="": types.SimpleNamespace(ptr=0xF00))
     plan = types.SimpleNamespace(kind="cupy", device=0)
     s = 0x10 if stream is None else stream
-    flag, ptr = F._found_inf("foreach.unscale_", plan, None, s, stream)
+    flag, ptr = R._found_inf("foreach.unscale_", plan, None, s, stream)
     assert ptr == 0xF00 and fake_cupy.memsets == [(0xF00, 0, 4, s)]
     assert fake_cupy.allocs == [((1,), s)]
 
 
 def test_a_given_found_inf_is_not_touched(fake_cupy, monkeypatch):
     plan = types.SimpleNamespace(kind="cupy", device=0)
-    monkeypatch.setattr(F, "device_scalar", lambda *a, **k: 0xABC)
+    monkeypatch.setattr(R, "device_scalar", lambda *a, **k: 0xABC)
     given = object()
-    assert F._found_inf("foreach.unscale_", plan, given, 0x99, 0x99) == (given, 0xABC)
+    assert R._found_inf("foreach.unscale_", plan, given, 0x99, 0x99) == (given, 0xABC)
     assert fake_cupy.memsets == [] and fake_cupy.allocs == []
 
 

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cupylab.torch import _autograd, _kernels, _library  # noqa: E402
+from cupylab.torch import _autograd, _kernels, _library, _optim_core  # noqa: E402
 from cupylab.torch import functional as F  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
@@ -836,8 +836,8 @@ def sgd_launches(monkeypatch):
         device, captured, pinned = 0, False, False
 
     seen = []
-    monkeypatch.setattr(O.F, "_validate", lambda *a, **k: (Plan(), 0))
-    monkeypatch.setattr(O.P, "for_stream", lambda plan, s: plan)
+    monkeypatch.setattr(_optim_core.F, "_validate", lambda *a, **k: (Plan(), 0))
+    monkeypatch.setattr(_optim_core.P, "for_stream", lambda plan, s: plan)
     monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0)
     # recorded when launched (after every group was checked), not when checked
@@ -887,7 +887,7 @@ def test_optimizer_keeps_the_tables_a_captured_step_points_into(sgd_launches, mo
         plan.captured = bool(captured)
         return plan
 
-    monkeypatch.setattr(O.P, "for_stream", for_stream)
+    monkeypatch.setattr(_optim_core.P, "for_stream", for_stream)
     a = torch.nn.Parameter(torch.ones(3))
     opt = O.SGD([a], lr=0.1)
     a.grad = torch.ones(3)
@@ -1002,8 +1002,8 @@ def adam_launches(monkeypatch):
         return plan, 0
 
     seen = []
-    monkeypatch.setattr(O.F, "_validate", validate)
-    monkeypatch.setattr(O.P, "for_stream", lambda plan, s: plan)
+    monkeypatch.setattr(_optim_core.F, "_validate", validate)
+    monkeypatch.setattr(_optim_core.P, "for_stream", lambda plan, s: plan)
     monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0)
     monkeypatch.setattr(_optim, "adam_launcher",  # recorded when launched
@@ -1077,7 +1077,7 @@ def test_adam_new_gradients_are_patched_into_each_cohorts_table(adam_launches, m
         patched.append((plan.params, slot, list(ptrs)))
         return plan
 
-    monkeypatch.setattr(O.P, "repoint", repoint)
+    monkeypatch.setattr(_optim_core.P, "repoint", repoint)
     ps = [torch.nn.Parameter(torch.randn(n)) for n in (3, 2, 4)]
     opt = O.Adam(ps, lr=1e-3)
     ps[0].grad, ps[2].grad = torch.ones(3), torch.ones(4)
@@ -1184,8 +1184,8 @@ def checked_launches(sim, monkeypatch):
         return types.SimpleNamespace(device=0, kind="torch", chunk=2048, groups=[group],
                                      captured=False, pinned=False), 0x5700
 
-    monkeypatch.setattr(O.F, "_validate", validate)
-    monkeypatch.setattr(O.P, "for_stream", lambda plan, s: plan)
+    monkeypatch.setattr(_optim_core.F, "_validate", validate)
+    monkeypatch.setattr(_optim_core.P, "for_stream", lambda plan, s: plan)
     return O, sim["launches"]
 
 
@@ -1223,12 +1223,10 @@ def test_an_adam_step_refused_by_its_checks_moves_no_count_and_steps_no_group(
 
 
 def test_the_next_count_of_a_host_counter_is_what_adding_one_gives():
-    from cupylab.torch import optim as O
-
     for v in (0.0, 1.0, 41.0, 2.0 ** 24 - 1, 2.0 ** 24, 2.0 ** 25):
         for dt in (torch.float32, torch.float64, torch.int64):
             st = torch.tensor(v, dtype=dt)
-            nxt = O._next_count(st)
+            nxt = _optim_core._next_count(st)
             assert float(st) == v  # unchanged
             st += 1
             assert nxt == float(st)  # float32 stays at 2 ** 24, as torch's own counter
