@@ -287,6 +287,12 @@ def _finish_list(plan, outs, stream):
 # cupylab.optim): a line of a docstring that holds only one of these keys is replaced by its
 # text, indented like the key.
 _DOC_PIECES = {
+    "{prepared_flag_note}": """\
+Under :func:`prepare` a new flag is allocated once, when the call is prepared, and
+zeroed on the launch stream before the check at every replay (a memset, which a CUDA
+graph capture of the replay records too), so that each replay reports its own arrays,
+as a new call would. A flag passed in is never zeroed, prepared or not: it keeps
+accumulating.""",
     "{list_type_errors}": """\
 A list argument that is not a list or tuple; an element that is not a GPU array (host
 data such as a NumPy array or a CPU tensor, a Dask array, any other object); a torch

@@ -266,11 +266,7 @@ def nonfinite_check(tensors, found_inf=None, *, stream=None):
     -----
     {launch_notes}
 
-    Under :func:`prepare` a new flag is allocated once, when the call is prepared, and
-    zeroed on the launch stream before the check at every replay (a memset, which a CUDA
-    graph capture of the replay records too), so that each replay reports its own arrays,
-    as a new call would. A flag passed in is never zeroed, prepared or not: it keeps
-    accumulating.
+    {prepared_flag_note}
     """
     plan, s = resolve("foreach.nonfinite_check", ["tensors"], [tensors], 0, stream=stream)
     if plan is None:
@@ -327,11 +323,7 @@ def unscale_(tensors, inv_scale, found_inf=None, *, stream=None):
     -----
     {launch_notes}
 
-    Under :func:`prepare` a new flag is allocated once, when the call is prepared, and
-    zeroed on the launch stream before the check at every replay (a memset, which a CUDA
-    graph capture of the replay records too), so that each replay reports its own arrays,
-    as a new call would. A flag passed in is never zeroed, prepared or not: it keeps
-    accumulating.
+    {prepared_flag_note}
     """
     plan, s = resolve("foreach.unscale_", ["tensors"], [tensors], 1, stream=stream)
     if plan is None:
