@@ -46,6 +46,44 @@ import torch
 
 from .. import optim as _optim
 from ._optim_core import _check_master, _Fused, _next_count
+from ..ops._mt_core import _fill_doc
+
+
+# Pieces of the three step() docstrings (filled in by _step_doc, as cupylab.optim does)
+_STEP_DOC = {
+    "{step_closure}": """\
+closure : callable, optional
+    Re-evaluates the model and returns the loss; called first, with grad enabled.""",
+    "{step_grad_scale}": """\
+grad_scale : one-element float32 CUDA tensor, optional
+    The gradients are divided by it inside the step; ``p.grad`` itself is not
+    written. Default: the optimizer's ``grad_scale`` attribute (GradScaler).""",
+    "{step_returns}": """\
+Returns
+-------
+object or None
+    What ``closure`` returned, or ``None`` without a closure.""",
+    "{step_checked_errors}": """\
+TypeError
+    A parameter or gradient that is not a CUDA tensor of a supported dtype (see
+    :mod:`cupylab.optim`); a group with ``master_weights`` that mixes float32 and
+    16-bit parameters; a ``found_inf``, ``grad_scale`` or CUDA tensor ``lr`` that is
+    not a one-element float32 CUDA tensor.
+ValueError
+    The array errors of :mod:`cupylab.optim` (non-contiguous or overlapping
+    tensors, parameters of one group on several GPUs, ...); a ``found_inf``,
+    ``grad_scale`` or ``lr`` tensor on another GPU than the group's parameters.""",
+    "{step_capture_error}": """\
+RuntimeError
+    Sparse gradients; new gradient tensors, or a parameter list seen for the first
+    time, during a CUDA graph capture (take one eager step first and zero the
+    gradients in place inside the captured region).""",
+}
+
+
+def _step_doc(f):
+    return _fill_doc(f, _STEP_DOC)
+
 
 __all__ = ["Adam", "AdamW", "SGD", "Lion"]
 
@@ -110,6 +148,7 @@ class _AdamBase(_Fused):
         super().load_state_dict(state_dict)
 
     @torch.no_grad()
+    @_step_doc
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
         """One fused Adam (AdamW) step over every param group.
 
@@ -123,37 +162,20 @@ class _AdamBase(_Fused):
 
         Parameters
         ----------
-        closure : callable, optional
-            Re-evaluates the model and returns the loss; called first, with grad enabled.
+        {step_closure}
         found_inf : one-element float32 CUDA tensor, optional
             When it holds a nonzero value, the step leaves every parameter and state
             unchanged, step counts included (decided on the device, no host
             synchronisation). Default: the optimizer's ``found_inf`` attribute, which
             ``torch.amp.GradScaler`` sets.
-        grad_scale : one-element float32 CUDA tensor, optional
-            The gradients are divided by it inside the step; ``p.grad`` itself is not
-            written. Default: the optimizer's ``grad_scale`` attribute (GradScaler).
+        {step_grad_scale}
 
-        Returns
-        -------
-        object or None
-            What ``closure`` returned, or ``None`` without a closure.
+        {step_returns}
 
         Raises
         ------
-        TypeError
-            A parameter or gradient that is not a CUDA tensor of a supported dtype (see
-            :mod:`cupylab.optim`); a group with ``master_weights`` that mixes float32 and
-            16-bit parameters; a ``found_inf``, ``grad_scale`` or CUDA tensor ``lr`` that is
-            not a one-element float32 CUDA tensor.
-        ValueError
-            The array errors of :mod:`cupylab.optim` (non-contiguous or overlapping
-            tensors, parameters of one group on several GPUs, ...); a ``found_inf``,
-            ``grad_scale`` or ``lr`` tensor on another GPU than the group's parameters.
-        RuntimeError
-            Sparse gradients; new gradient tensors, or a parameter list seen for the first
-            time, during a CUDA graph capture (take one eager step first and zero the
-            gradients in place inside the captured region).
+        {step_checked_errors}
+        {step_capture_error}
         """
         loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
         adamw = isinstance(self, torch.optim.AdamW)
@@ -327,6 +349,7 @@ class SGD(_Fused, torch.optim.SGD):
                 0b1 | (0b100 if mom else 0) | (0b1000 if anymaster else 0))
 
     @torch.no_grad()
+    @_step_doc
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
         """One fused SGD step over every param group.
 
@@ -340,39 +363,22 @@ class SGD(_Fused, torch.optim.SGD):
 
         Parameters
         ----------
-        closure : callable, optional
-            Re-evaluates the model and returns the loss; called first, with grad enabled.
+        {step_closure}
         found_inf : one-element float32 CUDA tensor, optional
             When it holds a nonzero value, the step leaves every parameter and state
             unchanged (decided on the device, no host synchronisation). Default: the
             optimizer's ``found_inf`` attribute, which ``torch.amp.GradScaler`` sets.
-        grad_scale : one-element float32 CUDA tensor, optional
-            The gradients are divided by it inside the step; ``p.grad`` itself is not
-            written. Default: the optimizer's ``grad_scale`` attribute (GradScaler).
+        {step_grad_scale}
 
-        Returns
-        -------
-        object or None
-            What ``closure`` returned, or ``None`` without a closure.
+        {step_returns}
 
         Raises
         ------
-        TypeError
-            A parameter or gradient that is not a CUDA tensor of a supported dtype (see
-            :mod:`cupylab.optim`); a group with ``master_weights`` that mixes float32 and
-            16-bit parameters; a ``found_inf``, ``grad_scale`` or CUDA tensor ``lr`` that is
-            not a one-element float32 CUDA tensor.
-        ValueError
-            The array errors of :mod:`cupylab.optim` (non-contiguous or overlapping
-            tensors, parameters of one group on several GPUs, ...); a ``found_inf``,
-            ``grad_scale`` or ``lr`` tensor on another GPU than the group's parameters.
+        {step_checked_errors}
             With ``dampening``: a group in which some parameters have momentum buffers and
             some do not; a first momentum step together with ``found_inf`` (take one step
             without it first, or use ``dampening=0``).
-        RuntimeError
-            Sparse gradients; new gradient tensors, or a parameter list seen for the first
-            time, during a CUDA graph capture (take one eager step first and zero the
-            gradients in place inside the captured region).
+        {step_capture_error}
         """
         loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
         todo = []  # every group's launch checked before any runs
@@ -505,6 +511,7 @@ class Lion(_Fused, torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     @torch.no_grad()
+    @_step_doc
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
         """One fused Lion step over every param group.
 
@@ -516,36 +523,19 @@ class Lion(_Fused, torch.optim.Optimizer):
 
         Parameters
         ----------
-        closure : callable, optional
-            Re-evaluates the model and returns the loss; called first, with grad enabled.
+        {step_closure}
         found_inf : one-element float32 CUDA tensor, optional
             When it holds a nonzero value, the step leaves every parameter and state
             unchanged (decided on the device, no host synchronisation). Default: the
             optimizer's ``found_inf`` attribute, which ``torch.amp.GradScaler`` sets.
-        grad_scale : one-element float32 CUDA tensor, optional
-            The gradients are divided by it inside the step; ``p.grad`` itself is not
-            written. Default: the optimizer's ``grad_scale`` attribute (GradScaler).
+        {step_grad_scale}
 
-        Returns
-        -------
-        object or None
-            What ``closure`` returned, or ``None`` without a closure.
+        {step_returns}
 
         Raises
         ------
-        TypeError
-            A parameter or gradient that is not a CUDA tensor of a supported dtype (see
-            :mod:`cupylab.optim`); a group with ``master_weights`` that mixes float32 and
-            16-bit parameters; a ``found_inf``, ``grad_scale`` or CUDA tensor ``lr`` that is
-            not a one-element float32 CUDA tensor.
-        ValueError
-            The array errors of :mod:`cupylab.optim` (non-contiguous or overlapping
-            tensors, parameters of one group on several GPUs, ...); a ``found_inf``,
-            ``grad_scale`` or ``lr`` tensor on another GPU than the group's parameters.
-        RuntimeError
-            Sparse gradients; new gradient tensors, or a parameter list seen for the first
-            time, during a CUDA graph capture (take one eager step first and zero the
-            gradients in place inside the captured region).
+        {step_checked_errors}
+        {step_capture_error}
         """
         loss, found_inf, grad_scale = self._cl_begin(closure, found_inf, grad_scale)
         todo = []  # every group's launch checked before any runs
