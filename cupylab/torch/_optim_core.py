@@ -73,14 +73,18 @@ class _Fused:
         for g in self.param_groups:
             g.setdefault("master_weights", bool(master_weights))
 
+    def _cl_check_group(self, group):
+        """Refuse a param group (a dict) before it joins: the optimizer's own checks of the
+        hyper-parameters it sets (none here; Adam's amsgrad, Lion's values)."""
+
     def add_param_group(self, param_group):
         """Add a param group, as torch's ``add_param_group``.
 
         Parameters
         ----------
         param_group : dict
-            As for torch (``"params"`` and any hyper-parameters); it may also set its own
-            ``"master_weights"``, else it gets the optimizer's.
+            As for torch (``"params"`` and any of the optimizer's hyper-parameters); it may
+            also set its own ``"master_weights"``, else it gets the optimizer's.
 
         Returns
         -------
@@ -89,8 +93,13 @@ class _Fused:
         Raises
         ------
         TypeError, ValueError
-            torch's own checks (e.g. a parameter that is already in another group).
+            The optimizer's own checks of the hyper-parameters the group sets, made before
+            the group joins (Adam and AdamW: ``amsgrad`` set; Lion: an ``lr``, ``betas`` or
+            ``weight_decay`` its constructor would refuse); torch's own checks of the group
+            (e.g. a parameter that is already in another group).
         """
+        if isinstance(param_group, dict):  # refused before it joins (torch checks the rest)
+            self._cl_check_group(param_group)
         super().add_param_group(param_group)
         if hasattr(self, "_cl_plans"):
             self.param_groups[-1].setdefault("master_weights", self.defaults["master_weights"])

@@ -49,11 +49,16 @@ from ._optim_core import _check_master, _Fused, _next_count
 from ..ops._mt_core import _fill_doc
 
 
-# Pieces of the three step() docstrings (filled in by _step_doc, as cupylab.optim does)
+# Pieces of the step() docstrings (filled in by _step_doc, as cupylab.optim does)
 _STEP_DOC = {
     "{step_closure}": """\
 closure : callable, optional
     Re-evaluates the model and returns the loss; called first, with grad enabled.""",
+    "{step_found_inf}": """\
+found_inf : one-element float32 CUDA tensor, optional
+    When it holds a nonzero value, the step leaves every parameter and state
+    unchanged (decided on the device, no host synchronisation). Default: the
+    optimizer's ``found_inf`` attribute, which ``torch.amp.GradScaler`` sets.""",
     "{step_grad_scale}": """\
 grad_scale : one-element float32 CUDA tensor, optional
     The gradients are divided by it inside the step; ``p.grad`` itself is not
@@ -97,30 +102,8 @@ class _AdamBase(_Fused):
             if g.get("amsgrad"):
                 raise ValueError("cupylab.torch.optim: amsgrad is not supported")
 
-    def add_param_group(self, param_group):
-        """Add a param group, as torch's ``add_param_group``.
-
-        Parameters
-        ----------
-        param_group : dict
-            As for torch (``"params"`` and any hyper-parameters); it may also set its own
-            ``"master_weights"``, else it gets the optimizer's.
-
-        Returns
-        -------
-        None
-
-        Raises
-        ------
-        ValueError
-            ``amsgrad`` set in the group (checked before the group joins).
-        TypeError
-            torch's own checks of the group (ValueError for some of them, e.g. a parameter
-            that is already in another group).
-        """
-        if isinstance(param_group, dict):  # refused before it joins (torch checks the rest)
-            self._cl_check([param_group])
-        super().add_param_group(param_group)
+    def _cl_check_group(self, group):
+        self._cl_check([group])
 
     def load_state_dict(self, state_dict):
         """Load a state saved by this optimizer or by the matching torch optimizer.
@@ -364,10 +347,7 @@ class SGD(_Fused, torch.optim.SGD):
         Parameters
         ----------
         {step_closure}
-        found_inf : one-element float32 CUDA tensor, optional
-            When it holds a nonzero value, the step leaves every parameter and state
-            unchanged (decided on the device, no host synchronisation). Default: the
-            optimizer's ``found_inf`` attribute, which ``torch.amp.GradScaler`` sets.
+        {step_found_inf}
         {step_grad_scale}
 
         {step_returns}
@@ -484,31 +464,8 @@ class Lion(_Fused, torch.optim.Optimizer):
             if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
                 raise ValueError(f"Lion: betas must be in [0, 1) (got {betas})")
 
-    def add_param_group(self, param_group):
-        """Add a param group, as torch's ``add_param_group``.
-
-        Parameters
-        ----------
-        param_group : dict
-            ``"params"`` and any of Lion's hyper-parameters (``lr``, ``betas``,
-            ``weight_decay``, ``maximize``), each checked as by the constructor before the
-            group joins; it may also set its own ``"master_weights"``, else it gets the
-            optimizer's.
-
-        Returns
-        -------
-        None
-
-        Raises
-        ------
-        TypeError, ValueError
-            A hyper-parameter the constructor would refuse (checked before the group
-            joins); torch's own checks of the group (e.g. a parameter that is already in
-            another group).
-        """
-        if isinstance(param_group, dict):  # refused before it joins (torch checks the rest)
-            self._cl_check(param_group)
-        super().add_param_group(param_group)
+    def _cl_check_group(self, group):
+        self._cl_check(group)
 
     @torch.no_grad()
     @_step_doc
@@ -524,10 +481,7 @@ class Lion(_Fused, torch.optim.Optimizer):
         Parameters
         ----------
         {step_closure}
-        found_inf : one-element float32 CUDA tensor, optional
-            When it holds a nonzero value, the step leaves every parameter and state
-            unchanged (decided on the device, no host synchronisation). Default: the
-            optimizer's ``found_inf`` attribute, which ``torch.amp.GradScaler`` sets.
+        {step_found_inf}
         {step_grad_scale}
 
         {step_returns}
