@@ -487,12 +487,7 @@ def run_kernel(k, plan, grid, block, stream, args):
 class _Memset:
     """In a recorded launch list, stands where a kernel would: its ``launch`` zeroes
     ``args[1]`` bytes at ``args[0]`` with ``cudaMemsetAsync`` on the launch stream (which a
-    CUDA graph capture records as a memset node)."""
-
-    name_expression = "cudaMemsetAsync"
-
-    def function(self, device):
-        return None
+    CUDA graph capture records as a memset node). A replay calls only ``launch``."""
 
     def launch(self, device, grid, block, stream, args):
         _runtime.cupy().cuda.runtime.memsetAsync(args[0], 0, args[1], stream)
