@@ -4,7 +4,7 @@
 #   compile   every row-wise program for this GPU, in parallel (fills the kernel cache, so the
 #             tests do not compile them one by one),
 #   tests     tests/test_torch_gpu.py (gradcheck, torch comparisons, opcheck, torch.compile,
-#             CUDA graphs, reduce-overhead) and tests/test_torch_cpu.py,
+#             CUDA graphs, reduce-overhead) and the torch CPU tests (tests/test_torch_*_cpu.py),
 #   bench     cupylab-bench overhead --framework torch (the rms_norm rows: the functional
 #             no-grad path, the registered operator, the direct call, each beside torch),
 # then a summary. Usage: scripts/gpu_check_torch.sh [OUTDIR]  (default ./out)
@@ -47,8 +47,9 @@ if has tests; then
   summary+=("pytest tests/test_torch_gpu.py (rc=$?): $(tail -n 1 "$OUT/pytest_torch_gpu.log")")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_torch_gpu.log" | head -n 40
   timeout 60 $PY -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_torch_cpu.py \
+    tests/test_torch_nn_cpu.py tests/test_torch_optim_cpu.py tests/test_torch_promotion_cpu.py \
     > "$OUT/pytest_torch_cpu.log" 2>&1
-  summary+=("pytest tests/test_torch_cpu.py (rc=$?): $(tail -n 1 "$OUT/pytest_torch_cpu.log")")
+  summary+=("pytest tests/test_torch_*_cpu.py (rc=$?): $(tail -n 1 "$OUT/pytest_torch_cpu.log")")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_torch_cpu.log" | head -n 20
   stamp "tests done"
 fi
