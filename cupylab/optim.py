@@ -264,7 +264,7 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta2=0.
     lists = [params, grads, exp_avgs, exp_avg_sqs, master_params]
     writes = 0b1101 | (0b10000 if master_params is not None else 0)
     plan, s = F.resolve(name, ["params", "grads", "exp_avgs", "exp_avg_sqs", "master_params"],
-                        lists, writes, same_dtype=(1,), stream=stream)
+                        lists, writes, same_dtype=(1,), stream=stream, optional=(4,))
     if plan is not None:
         adam_launcher(name, plan, s, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                       weight_decay=weight_decay, step=step, adamw=adamw, maximize=maximize,
@@ -410,7 +410,7 @@ def sgd_(params, grads, momentum_buffers=None, *, lr, momentum=0.0, dampening=0.
     lists = [params, grads, bufs, master_params]
     writes = 0b1 | (0b100 if bufs is not None else 0) | (0b1000 if master_params is not None else 0)
     plan, s = F.resolve("sgd_", ["params", "grads", "momentum_buffers", "master_params"], lists,
-                        writes, same_dtype=(1,), stream=stream)
+                        writes, same_dtype=(1,), stream=stream, optional=(2, 3))
     if plan is not None:
         sgd_launcher("sgd_", plan, s, lr=lr, momentum=momentum, dampening=dampening,
                      weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
@@ -488,7 +488,7 @@ def lion_(params, grads, exp_avgs, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.
     lists = [params, grads, exp_avgs, master_params]
     writes = 0b101 | (0b1000 if master_params is not None else 0)
     plan, s = F.resolve("lion_", ["params", "grads", "exp_avgs", "master_params"], lists, writes,
-                        same_dtype=(1,), stream=stream)
+                        same_dtype=(1,), stream=stream, optional=(3,))
     if plan is not None:
         lion_launcher("lion_", plan, s, lr=lr, beta1=beta1, beta2=beta2,
                       weight_decay=weight_decay, maximize=maximize, found_inf=found_inf,

@@ -132,6 +132,34 @@ def test_argument_errors_before_the_gpu():
             C._scalar_or_device("adam_", "lr", bad, None)
 
 
+_NONE_LISTS = [  # (call with a required list None, "opname: name")
+    (lambda a: foreach.add_(None, 1.0), "foreach.add_: tensors"),
+    (lambda a: foreach.copy_(None, [a]), "foreach.copy_: dst"),
+    (lambda a: foreach.copy_([a], None), "foreach.copy_: src"),
+    (lambda a: foreach.zero_(None), "foreach.zero_: tensors"),
+    (lambda a: foreach.lerp_([a], None, 0.5), "foreach.lerp_: ends"),
+    (lambda a: foreach.norm(None), "foreach.norm: tensors"),
+    (lambda a: foreach.norms(None), "foreach.norms: tensors"),
+    (lambda a: foreach.clip_by_global_norm_(None, 1.0), "foreach.clip_by_global_norm_: tensors"),
+    (lambda a: foreach.nonfinite_check(None), "foreach.nonfinite_check: tensors"),
+    (lambda a: foreach.unscale_(None, a), "foreach.unscale_: tensors"),
+    (lambda a: optim.adam_([a], None, [a], [a], lr=0.1, step=1), "adam_: grads"),
+    (lambda a: optim.adam_(None, None, None, None, lr=0.1, step=1), "adam_: params"),
+    (lambda a: optim.sgd_([a], None, lr=0.1), "sgd_: grads"),
+    (lambda a: optim.lion_([a], [a], None, lr=0.1), "lion_: exp_avgs"),
+]
+
+
+@pytest.mark.parametrize("call,what", _NONE_LISTS, ids=[w for _, w in _NONE_LISTS])
+def test_a_required_list_given_as_none_is_a_type_error(sim, call, what):
+    """None for a required list raises (it was taken for an absent list, and the call did
+    nothing, or said the list was empty); the optional ones (master_params, momentum_buffers
+    without momentum) may still be None."""
+    with pytest.raises(TypeError, match=f"^{what} must be a list or tuple of GPU arrays"):
+        call(FakeCAI((3,)))
+    assert sim["launches"] == []
+
+
 def test_mixed_frameworks_refused_before_the_gpu():
     from conftest import FakeDLPack
 

@@ -152,6 +152,38 @@ def test_errors_need_no_gpu():
         cupylab.cross_entropy(x, x, label_smoothing=2.0)
 
 
+_NONE_CALLS = [  # (call with one required array None, the operand it must name)
+    (lambda x: cupylab.softmax(None), "softmax: x"),
+    (lambda x: cupylab.log_softmax(None), "log_softmax: x"),
+    (lambda x: cupylab.rms_norm(None, x), "rms_norm: x"),
+    (lambda x: cupylab.layer_norm(None), "layer_norm: x"),
+    (lambda x: cupylab.add_rms_norm(None, x, None), "add_rms_norm: x"),
+    (lambda x: cupylab.cross_entropy(None, x), "cross_entropy: logits"),
+    (lambda x: cupylab.cross_entropy(x, None), "cross_entropy: target"),
+    (lambda x: cupylab.softmax_backward(None, x), "softmax_backward: y"),
+    (lambda x: cupylab.log_softmax_backward(x, None), "log_softmax_backward: dy"),
+    (lambda x: cupylab.rms_norm_backward(None, x, None, x), "rms_norm_backward: dy"),
+    (lambda x: cupylab.layer_norm_backward(x, None, None, x, x), "layer_norm_backward: x"),
+]
+
+
+@pytest.mark.parametrize("call,what", _NONE_CALLS, ids=[w for _, w in _NONE_CALLS])
+def test_a_required_array_given_as_none_is_named(sim, call, what):
+    """None for a required array is "not an array" (it used to escape as an IndexError or a
+    KeyError from the argument gathering); optional arrays (weight, bias, out) may be None."""
+    with pytest.raises(TypeError, match=f"^{what} must be a CUDA device array.*NoneType, "
+                                        "which is not an array"):
+        call(FakeCAI((4, 64)))
+    assert sim["launches"] == []
+
+
+def test_the_first_bad_array_is_the_one_named():
+    with pytest.raises(TypeError, match="cross_entropy: logits .* host data"):
+        cupylab.cross_entropy(np.zeros((2, 3), np.float32), None)
+    with pytest.raises(TypeError, match="log_softmax_backward: y .* not an array"):
+        cupylab.log_softmax_backward(1, None)
+
+
 def test_add_rms_norm_needs_a_residual(sim):
     with pytest.raises(TypeError, match="add_rms_norm: residual is required"):
         cupylab.add_rms_norm(FakeCAI((4, 64)), None, None)

@@ -195,13 +195,19 @@ def _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs=()
 
 
 def resolve(opname, names, lists, writes, *, same_dtype=None, stream=None, inplace_pairs=(),
-            free=()):
+            free=(), optional=()):
     """The plan and stream for one call (validated and built on a cache miss).
 
-    ``lists``: per slot a list of arrays or ``None``; ``writes``: bit mask of written slots;
-    ``same_dtype``: slots whose dtype must equal the lead slot's (default: all);
-    ``free``: slots whose arrays may come from another framework (outputs allocated here).
-    Returns ``(plan, stream)``, or ``(None, None)`` for empty lists."""
+    ``lists``: per slot a list of arrays, or ``None`` for a slot in ``optional`` (absent);
+    ``writes``: bit mask of written slots; ``same_dtype``: slots whose dtype must equal the
+    lead slot's (default: all); ``free``: slots whose arrays may come from another framework
+    (outputs allocated here). Returns ``(plan, stream)``, or ``(None, None)`` for empty
+    lists."""
+    if None in lists:
+        for k, lst in enumerate(lists):
+            if lst is None and k not in optional:
+                raise TypeError(f"{opname}: {names[k]} must be a list or tuple of GPU arrays "
+                                "(got None)")
     if same_dtype is None:
         same_dtype = range(len(lists))
     key = cache_key(lists, (writes, tuple(same_dtype), tuple(free)))

@@ -268,14 +268,21 @@ class Ctx:
 _KINDS = {"torch": "torch", "cupy": "cupy", "jax": "jax", "numba": "numba"}
 
 
-def gather(opname, arrays, stream=None):
+def gather(opname, arrays, stream=None, required=1):
     """Views for ``arrays`` (an ordered dict ``name -> object or None``; the first array
     decides the device and the output framework), on the caller's stream (torch's for torch
     inputs, CuPy's otherwise) or ``stream``. DLPack-only producers (JAX ...) are imported with
-    that stream; producers that name their stream (CAI v3) are waited for."""
-    items = [(k, v) for k, v in arrays.items() if v is not None]
+    that stream; producers that name their stream (CAI v3) are waited for. The first
+    ``required`` entries must be arrays (None there raises the not-an-array ``TypeError``);
+    the others are optional (None: absent)."""
+    items = []
     fns, views, deferred_dev = {}, {}, {}
-    for k, v in items:
+    for i, (k, v) in enumerate(arrays.items()):  # checked in order: the first bad one is named
+        if v is None:
+            if i < required:
+                raise _arrays._host_error(f"{opname}: {k}", v)
+            continue
+        items.append((k, v))
         fn = _arrays.framework_of(v)
         if fn is None:
             raise _arrays._host_error(f"{opname}: {k}", v)

@@ -81,7 +81,8 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
                   if v]
         return _dask.cross_entropy(cross_entropy, logits, target, ignore_index,
                                    label_smoothing, reduction, refuse, stream)
-    c = rc.gather(op, {"logits": logits, "target": target, "grad_out": grad_out}, stream)
+    c = rc.gather(op, {"logits": logits, "target": target, "grad_out": grad_out}, stream,
+                  required=2)
     xv, tv = c.views["logits"], c.views["target"]
     check_arrays(op, xv, tv)
     a = rc.acc_dtype(xv.dtype)

@@ -320,7 +320,7 @@ def _softmax_bwd(opname, y, dy, out, stream):
     if _dask.is_dask(y) or _dask.is_dask(dy):
         return _dask.rowwise(opname, globals()[opname], [("y", y), ("dy", dy)], -1, {}, out,
                              stream)
-    c = rc.gather(opname, {"y": y, "dy": dy, "out": out}, stream)
+    c = rc.gather(opname, {"y": y, "dy": dy, "out": out}, stream, required=2)
     yv, dv = c.views["y"], c.views["dy"]
     rc.check_float(opname, "y", yv)
     rc.check_same(opname, "dy", dv, yv, "y")
@@ -393,7 +393,7 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, weight_grad, stream):
         return _dask.norm_backward(opname, globals()[opname], dy, x, weight,
                                    stats + [("rstd", rstd)], stream, weight_grad)
     c = rc.gather(opname, {"dy": dy, "x": x, "weight": weight, "mean": mean, "rstd": rstd},
-                  stream)
+                  stream, required=2)
     v = c.views
     dv, xv = v["dy"], v["x"]
     rc.check_float(opname, "x", xv)
