@@ -229,6 +229,27 @@ def test_cpu_inputs_give_torchs_result(cl, no_functional, name, args, kw):
             p.grad = q.grad = None
 
 
+@pytest.mark.parametrize("bad", [None, [1.0, 2.0]], ids=["None", "list"])
+@pytest.mark.parametrize("name,args,kw", CONFIGS, ids=lambda v: str(v)[:30])
+def test_a_non_tensor_input_fails_as_torchs_module_does(cl, no_functional, name, args, kw, bad):
+    """A drop-in raises what torch's module raises for an input that is not a tensor (it raised
+    AttributeError from its own CUDA test instead), and for a target that is not one."""
+    a, b = _pair(cl, name, args, kw)
+    extra = (torch.zeros(3, dtype=torch.int64),) if name == "CrossEntropyLoss" else ()
+    with pytest.raises(Exception) as ta:
+        a(bad, *extra)
+    with pytest.raises(Exception) as tb:
+        b(bad, *extra)
+    assert type(tb.value) is type(ta.value) and str(tb.value) == str(ta.value)
+    if name == "CrossEntropyLoss":
+        x = torch.randn(3, 5)
+        with pytest.raises(Exception) as ta:
+            a(x, bad)
+        with pytest.raises(Exception) as tb:
+            b(x, bad)
+        assert type(tb.value) is type(ta.value) and str(tb.value) == str(ta.value)
+
+
 # the cupylab branch: what the forward hands to cupylab.torch.functional ---------------------
 def test_rms_norm_calls(cl, rec):
     m = cl.RMSNorm((5, 8), eps=1e-5)

@@ -50,8 +50,8 @@ def _gpu_float(x):
     """True when ``x`` is a plain dense CUDA tensor of a dtype cupylab's row-wise kernels
     compute. Tensor subclasses (DTensor, FakeTensor outside torch.compile's tracing, nested
     tensors) and other layouts run torch's own forward."""
-    return (x.is_cuda and x.dtype in _FLOATS and x.layout is _STRIDED
-            and (type(x) is _TENSOR or _compiling()))
+    return ((type(x) is _TENSOR or (_compiling() and isinstance(x, _TENSOR)))
+            and x.is_cuda and x.dtype in _FLOATS and x.layout is _STRIDED)
 
 
 _HALVES = (torch.float16, torch.bfloat16)
@@ -188,8 +188,8 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
 
     def forward(self, input, target):  # noqa: A002 - torch's parameter name
         """The loss of ``input`` logits against ``target`` class indices."""
-        if (self.weight is not None or target.dtype != torch.int64
-                or target.dim() != input.dim() - 1 or not _gpu_float(input)):
+        if (not _gpu_float(input) or not isinstance(target, _TENSOR) or self.weight is not None
+                or target.dtype != torch.int64 or target.dim() != input.dim() - 1):
             return super().forward(input, target)
         return _F.cross_entropy(input, target, ignore_index=self.ignore_index,
                                 reduction=self.reduction, label_smoothing=self.label_smoothing)
