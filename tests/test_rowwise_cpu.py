@@ -184,6 +184,23 @@ def test_the_first_bad_array_is_the_one_named():
         cupylab.log_softmax_backward(1, None)
 
 
+def test_backward_statistics_and_empty_classes_are_checked_before_any_allocation(sim):
+    """The norm backwards check their statistics (present, one float32 value a row) and
+    cross-entropy its class count before allocating an output: on a GPU a refused call made
+    a dx (or dlogits) first, and without one the error was NoGPUError."""
+    x, dy = FakeCAI((4, 8)), FakeCAI((4, 8))
+    with pytest.raises(TypeError, match="rms_norm_backward: rstd is required"):
+        cupylab.rms_norm_backward(dy, x, None, None)
+    with pytest.raises(ValueError, match=r"rms_norm_backward: rstd must hold one value per row "
+                                         r"\(4\); got shape \(5,\)"):
+        cupylab.rms_norm_backward(dy, x, None, FakeCAI((5,)))
+    with pytest.raises(TypeError, match="layer_norm_backward: mean must be float32"):
+        cupylab.layer_norm_backward(dy, x, None, FakeCAI((4,), typestr="<f8"), FakeCAI((4,)))
+    with pytest.raises(ValueError, match="cross_entropy: logits has no classes"):
+        cupylab.cross_entropy(FakeCAI((4, 0)), FakeCAI((4,), typestr="<i8"), return_grad=True)
+    assert sim["launches"] == []
+
+
 def test_add_rms_norm_needs_a_residual(sim):
     with pytest.raises(TypeError, match="add_rms_norm: residual is required"):
         cupylab.add_rms_norm(FakeCAI((4, 64)), None, None)

@@ -85,6 +85,7 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
                   required=2)
     xv, tv = c.views["logits"], c.views["target"]
     check_arrays(op, xv, tv)
+    rc.check_columns(op, xv.shape, "logits has no classes")
     a = rc.acc_dtype(xv.dtype)
     gv = gobj = None
     if return_grad:
@@ -96,7 +97,6 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
             gobj, gv = rc.new_array(c, xv.shape, xv.dtype)
     lay = rc.row_layout(op, xv.shape, [xv, None, gv, None], -1, extra=(tv,))
     rows = lay.rows
-    rc.check_columns(op, xv.shape, "logits has no classes")
     loss_obj, lv = rc.new_array(c, lay.lead_shape, a)
     lse_obj = lsv = None
     if return_lse:

@@ -402,13 +402,16 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, weight_grad, stream):
     cols = xv.shape[-1]
     flags = rc.check_vectors(opname, {k: v[k] for k in ("weight",) if k in v}, xv)
     a = rc.acc_dtype(xv.dtype)
-    dxobj, dxv = rc.new_array(c, xv.shape, xv.dtype)
-    lay = rc.row_layout(opname, xv.shape, [xv, dv, dxv, None], -1)
+    rows = 1
+    for e in xv.shape[:-1]:
+        rows *= e
     for name in (("mean", "rstd") if opname == "layer_norm_backward" else ("rstd",)):
         if name not in v:
             raise TypeError(f"{opname}: {name} is required (the statistics the forward returned)")
-        rc.check_stats(opname, name, v[name], lay.rows, a)
+        rc.check_stats(opname, name, v[name], rows, a)
     rc.check_columns(opname, xv.shape)
+    dxobj, dxv = rc.new_array(c, xv.shape, xv.dtype)  # after every argument check
+    lay = rc.row_layout(opname, xv.shape, [xv, dv, dxv, None], -1)
     wdt = v["weight"].dtype if "weight" in v and weight_grad else None
     dw = dwv = db = dbv = None
     if wdt is not None:
