@@ -58,7 +58,8 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
     Raises
     ------
     TypeError
-        Host arrays, unsupported dtypes (target must be int32 or int64), torch tensors that
+        ``logits`` or ``target`` (or ``grad_out``) not a GPU array (host data, None, any other
+        object), unsupported dtypes (target must be int32 or int64), torch tensors that
         require grad.
     ValueError
         Shapes that do not match, an unknown ``reduction``, ``label_smoothing`` outside

@@ -37,8 +37,10 @@ _COMMON = """
     Raises
     ------
     TypeError
-        Host arrays, dtypes other than float16/bfloat16/float32/float64, mismatched dtypes,
-        torch tensors that require grad.
+        An array argument that is not a GPU array (host data, None where an array is
+        required, any other object), dtypes other than float16/bfloat16/float32/float64,
+        mismatched dtypes, torch tensors that require grad; a backward without the forward's
+        statistics.
     ValueError
         Mismatched shapes, a bad ``out`` (shape, read-only, partial overlap with an input),
         arrays on different GPUs, leading dimensions that cannot be merged.
