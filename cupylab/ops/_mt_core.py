@@ -109,14 +109,18 @@ def _check_aliasing(opname, names, slot_views, writes, inplace_pairs=()):
         end = max(end, s[1])
 
 
+def _not_a_list(opname, name, lst):
+    return TypeError(f"{opname}: {name} must be a list or tuple of GPU arrays "
+                     f"(got {type(lst).__module__}.{type(lst).__qualname__})")
+
+
 def _validate(opname, names, lists, writes, same_dtype, stream, inplace_pairs=(), free=()):
     n, lead = None, None
     for k, lst in enumerate(lists):
         if lst is None:
             continue
         if type(lst) not in (list, tuple):
-            raise TypeError(f"{opname}: {names[k]} must be a list or tuple of GPU arrays "
-                            f"(got {type(lst).__module__}.{type(lst).__qualname__})")
+            raise _not_a_list(opname, names[k], lst)
         if n is None:
             n, lead = len(lst), k
         elif len(lst) != n:
@@ -206,8 +210,7 @@ def resolve(opname, names, lists, writes, *, same_dtype=None, stream=None, inpla
     if None in lists:
         for k, lst in enumerate(lists):
             if lst is None and k not in optional:
-                raise TypeError(f"{opname}: {names[k]} must be a list or tuple of GPU arrays "
-                                "(got None)")
+                raise _not_a_list(opname, names[k], lst)
     if same_dtype is None:
         same_dtype = range(len(lists))
     key = cache_key(lists, (writes, tuple(same_dtype), tuple(free)))

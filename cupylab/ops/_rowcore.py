@@ -278,13 +278,11 @@ def gather(opname, arrays, stream=None, required=1):
     items = []
     fns, views, deferred_dev = {}, {}, {}
     for i, (k, v) in enumerate(arrays.items()):  # checked in order: the first bad one is named
-        if v is None:
-            if i < required:
-                raise _arrays._host_error(f"{opname}: {k}", v)
-            continue
+        if v is None and i >= required:
+            continue  # an optional array, absent
         items.append((k, v))
         fn = _arrays.framework_of(v)
-        if fn is None:
+        if fn is None:  # None where an array is required, host data, any other object
             raise _arrays._host_error(f"{opname}: {k}", v)
         fns[k] = fn
         if fn in _arrays.DEFERRED:  # imported once the stream is known (DLPack, JAX)

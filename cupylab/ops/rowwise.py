@@ -10,6 +10,8 @@ Kernel choice per row length: :mod:`cupylab.ops._rowcore`.
 """
 from __future__ import annotations
 
+import math
+
 from .. import _dask
 from . import _rowcore as rc
 from . import _rowfast
@@ -404,9 +406,7 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, weight_grad, stream):
     cols = xv.shape[-1]
     flags = rc.check_vectors(opname, {k: v[k] for k in ("weight",) if k in v}, xv)
     a = rc.acc_dtype(xv.dtype)
-    rows = 1
-    for e in xv.shape[:-1]:
-        rows *= e
+    rows = math.prod(xv.shape[:-1])
     for name in (("mean", "rstd") if opname == "layer_norm_backward" else ("rstd",)):
         if name not in v:
             raise TypeError(f"{opname}: {name} is required (the statistics the forward returned)")
