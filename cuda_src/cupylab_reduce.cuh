@@ -47,6 +47,8 @@ __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
+__device__ __forceinline__ float log1p_acc(float x) { return log1pf(x); }
+__device__ __forceinline__ double log1p_acc(double x) { return log1p(x); }
 __device__ __forceinline__ float rsqrt_acc(float x) { return rsqrtf(x); }
 __device__ __forceinline__ double rsqrt_acc(double x) { return rsqrt(x); }
 __device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }

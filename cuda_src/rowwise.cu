@@ -121,19 +121,29 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
             // cross-entropy: the target logit is read before the reduction's barriers, so that
             // with grad_out == logits no thread has overwritten it yet
-            i64 t = 0;
+            // cross-entropy: the target's offset from this thread's first element (-1: no
+            // target in the row: ignored or out of range), its logit read by every thread
+            int tt = -1;
             bool ignored = false, bad = false;
             A xt = A(0);
             if constexpr (OP == OP_CE) {
-                t = active ? load_target<T>(p, rr) : 0;
+                const i64 t = active ? load_target<T>(p, rr) : 0;
                 ignored = t == p.ignore_index;
                 bad = !ignored && (t < 0 || t >= cols);
-                if (stat_thread && !ignored && !bad) xt = to_acc(x[t]);
+                if (active && !ignored && !bad) {
+                    xt = to_acc(x[t]);
+                    tt = (int)(t - ((i64)sbase * V - head));
+                }
             }
             // The row maximum first, then the sum of exp(x - max): two plain reductions are
             // cheaper than combining (max, sum) pairs (no exp per combine). An all -inf row
             // sums exp(-inf - 0) = 0 and gives NaN below (like torch); NaN or +inf in a row
             // make the sum NaN.
+            // Cross-entropy leaves the target's own term out of the sum and adds it after the
+            // reduction: when the target is the max, the loss log(sum) - (xt - max) is then
+            // log1p(others), which keeps its digits for a confident row (the others' sum
+            // ~1e-7 is lost when added to the target's 1 in float32). A loss can only be
+            // that small when the target is the max.
             m = group_reduce<TPR, C, 0, THREADS>(m, MaxOp());
             const A mz = (m == neg_inf<A>()) ? A(0) : m;
             A s = A(0);
@@ -142,11 +152,21 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 A f[V];
                 unpack<T, V>(a[j], f);
 #pragma unroll
-                for (int k = 0; k < V; ++k) s += exp_row<T>(f[k] - mz);
+                for (int k = 0; k < V; ++k) {
+                    const A e = exp_row<T>(f[k] - mz);
+                    if constexpr (OP == OP_CE) s += (j * TPR * V + k == tt) ? A(0) : e;
+                    else s += e;
+                }
             }
             MaxSum<A> ms;
             ms.m = m;
             ms.s = group_reduce<TPR, C, 1, THREADS>(s, SumOp());
+            A et = A(0);  // cross-entropy: the target's term (0 without a target)
+            if constexpr (OP == OP_CE) {
+                if (!ignored && !bad) et = exp_row<T>(xt - mz);
+                s = ms.s;  // the others' sum
+                ms.s += et;
+            }
             if constexpr (TPR <= 32 && OP == OP_CE) __syncwarp();
             if constexpr (OP == OP_SOFTMAX) {
                 const A inv = A(1) / ms.s;
@@ -182,20 +202,19 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     }
                     sx = group_reduce<TPR, C, 2, THREADS>(sx, SumOp());
                 }
-                const A ls = log_acc(ms.s);
-                const A lse = ms.m + ls;
                 if (stat_thread) {
-                    // from x - max and log(sum), not from the rounded lse: a confident row's
-                    // loss (log(sum) below half an ulp of max) would round to 0
+                    // not from the rounded lse: a confident row's loss (below half an ulp of
+                    // max) would round to 0
+                    const A ls = log_acc(ms.s);
                     A loss;
                     if (ignored) loss = A(0);
                     else if (bad) loss = quiet_nan<A>();
                     else {
-                        loss = (A(1) - eps) * (ls - (xt - ms.m));
+                        loss = (A(1) - eps) * (et == A(1) ? log1p_acc(s) : ls - (xt - mz));
                         if (eps > A(0)) loss += eps * (ls - sx * n_inv);
                     }
                     reinterpret_cast<A*>(p.loss)[row] = loss;
-                    if (p.st0) reinterpret_cast<A*>(p.st0)[row] = lse;
+                    if (p.st0) reinterpret_cast<A*>(p.st0)[row] = ms.m + ls;
                 }
                 if (p.out0) {
                     const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);
@@ -206,11 +225,10 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     for (int j = 0; j < NV; ++j) {
                         A f[V];
                         unpack<T, V>(a[j], f);
-                        const i64 tk = t - ((i64)(sbase + j * TPR) * V - head);
 #pragma unroll
                         for (int k = 0; k < V; ++k) {
                             A g = exp_row<T>(f[k] - ms.m) * inv - sm;
-                            if (k == tk) g -= hit;
+                            if (j * TPR * V + k == tt) g -= hit;
                             f[k] = g * scale;
                             if (ignored) f[k] = A(0);
                             if (bad) f[k] = quiet_nan<A>();
@@ -463,14 +481,17 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
             ms.m = neg_inf<A>();
             ms.s = A(0);
             A sx = A(0);
-            i64 t = 0;
+            i64 t = -1;  // cross-entropy: the target column (-1: ignored or out of range)
             bool ignored = false, bad = false;
             A xt = A(0);
             if constexpr (OP == OP_CE) {  // before the barriers (grad_out may be the logits)
-                t = load_target<T>(p, row);
-                ignored = t == p.ignore_index;
-                bad = !ignored && (t < 0 || t >= cols);
-                if (stat_thread && !ignored && !bad) xt = to_acc(x[t * c0]);
+                const i64 tg = load_target<T>(p, row);
+                ignored = tg == p.ignore_index;
+                bad = !ignored && (tg < 0 || tg >= cols);
+                if (!ignored && !bad) {
+                    t = tg;
+                    xt = to_acc(x[t * c0]);
+                }
             }
             for (i64 c = threadIdx.x; c < cols; c += GT) {
                 A v = to_acc(x[c * c0]);
@@ -480,9 +501,19 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
                     if (!(ms.m == neg_inf<A>())) ms.s *= exp_row<T>(ms.m - v);
                     ms.m = v;
                 }
-                if (!(v == neg_inf<A>())) ms.s += exp_row<T>(v - ms.m);
+                // cross-entropy: the target's term is added after the reduction (as row_reg)
+                if (!(v == neg_inf<A>()) && (OP != OP_CE || c != t))
+                    ms.s += exp_row<T>(v - ms.m);
             }
             ms = group_reduce<GT, 1, 0>(ms, MaxSumOp());
+            // cross-entropy: the others' sum, the target's term (an all -inf row: max -inf,
+            // sums 0, exp(-inf - 0) = 0; the loss is NaN)
+            const A mz = (ms.m == neg_inf<A>()) ? A(0) : ms.m;
+            A so = ms.s, et = A(0);
+            if constexpr (OP == OP_CE) {
+                if (t >= 0) et = exp_row<T>(xt - mz);
+                ms.s += et;
+            }
             if constexpr (OP == OP_SOFTMAX) {
                 const A inv = A(1) / ms.s;
                 for (i64 c = threadIdx.x; c < cols; c += GT)
@@ -494,18 +525,17 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
             } else {
                 const A eps = (A)p.smooth;
                 if (eps > A(0)) sx = group_reduce<GT, 1, 1>(sx, SumOp());
-                const A ls = log_acc(ms.s);
-                const A lse = ms.m + ls;
-                if (stat_thread) {  // from x - max and log(sum), as row_reg
+                if (stat_thread) {  // as row_reg
+                    const A ls = log_acc(ms.s);
                     A loss;
                     if (ignored) loss = A(0);
                     else if (bad) loss = quiet_nan<A>();
                     else {
-                        loss = (A(1) - eps) * (ls - (xt - ms.m));
+                        loss = (A(1) - eps) * (et == A(1) ? log1p_acc(so) : ls - (xt - mz));
                         if (eps > A(0)) loss += eps * (ls - (sx * n_inv - ms.m));
                     }
                     reinterpret_cast<A*>(p.loss)[row] = loss;
-                    if (p.st0) reinterpret_cast<A*>(p.st0)[row] = lse;
+                    if (p.st0) reinterpret_cast<A*>(p.st0)[row] = ms.m + ls;
                 }
                 if (p.out0) {
                     const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);

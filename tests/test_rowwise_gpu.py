@@ -242,20 +242,31 @@ def test_a_nan_early_in_a_row_makes_the_generic_kernels_row_nan(op):
         assert np.isnan(to_host(getattr(cupylab, op)(x))).all()
 
 
-def test_cross_entropy_of_a_confident_row_is_not_rounded_to_zero():
-    """The loss is formed from x - max and log(sum), not from the rounded logsumexp: a
-    target logit far above the rest (loss about 7e-7) came out exactly 0 in float32."""
+@pytest.mark.parametrize("dt", ["float32", "float64"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])  # register/cluster, generic
+def test_cross_entropy_of_a_confident_row_keeps_its_digits(dt, layout):
+    """The target's own term is left out of the sum and added after it: a target logit far
+    above the rest (loss about 7e-7, the others' terms about 2e-11 each) came out exactly 0,
+    or half its value, when the others were added to the target's 1 in float32. Also a
+    target far below the max (its term underflows to 0: the loss stays finite), a target
+    tied with another max, and label smoothing."""
     rng = np.random.default_rng(5)
-    h = rng.standard_normal((4, 32000)).astype(np.float32)
-    t = np.array([11, 12, 13, 14])
-    h[np.arange(4), t] = 25.0
+    h = rng.standard_normal((5, 32000))
+    t = np.array([11, 12, 13, 14, 15])
+    h[np.arange(4), t[:4]] = 25.0
+    h[2, 31999] = 25.0  # a tie with the target
+    h[4, 7] = 30.0      # row 4: the target 120 below the max
+    h[4, 15] = -90.0
+    h = h.astype(dt)
+    x = cupy_from_host(h if layout == "contiguous" else np.repeat(h, 2, axis=1))
+    if layout == "strided":
+        x = x[:, ::2]
     for smooth in (0.0, 0.1):
-        got = to_host(cupylab.cross_entropy(cupy_from_host(h), cupy_from_host(t),
-                                            label_smoothing=smooth, reduction="none"))
+        got = to_host(cupylab.cross_entropy(x, cupy_from_host(t), label_smoothing=smooth,
+                                            reduction="none"))
         ref = R.ROWWISE_REFERENCES["cross_entropy"](h, t, -100, smooth)[0]
-        # float32's sum of exp near 1 keeps about two digits of log(sum) (torch's too)
-        np.testing.assert_allclose(got, ref, rtol=5e-2 if smooth == 0 else 1e-5)
-        assert (got > 0).all()
+        np.testing.assert_allclose(got, ref, rtol=1e-4 if dt == "float32" else 1e-10)
+        assert ref[0] < 1e-6 and np.isfinite(ref[4]) and ref[4] > 100
 
 
 def test_leading_shapes_and_torch_stream():

@@ -23,6 +23,10 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
     loss 0 and gradient 0 and do not count in the mean. **Targets out of range** (``t < 0`` or
     ``t >= n``, other than ``ignore_index``) are not checked on the host (that would
     synchronise): such a row's loss and gradient are NaN, so a mean or sum is NaN too.
+    A row's loss keeps float32's relative precision even when it is tiny (a confident row,
+    loss ~1e-7): when the target is the row's maximum the loss is computed as
+    ``log1p(sum over the other classes of exp(x - max))``, the target's own term kept out of
+    the float32 sum (added to it, the others would round away).
 
     With ``return_grad=True`` the same kernel writes ``dlogits``, the gradient of the returned
     (reduced) loss: ``scale * (softmax(logits) - (1 - s) * onehot(t) - s / n)`` with ``scale =
