@@ -245,7 +245,9 @@ struct Lion : OpBase, StepCommon<typename Comp<P>::type> {
         C g = Base::unscale(v[1]);
         if (maximize) g = -g;
         const C c = b1 * v[2] + (1.0f - b1) * g;
-        const C u = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
+        // sign(c) as torch.sign: NaN stays NaN (a NaN gradient makes the parameter NaN, not
+        // a silent zero update)
+        const C u = c > 0.0f ? C(1) : (c < 0.0f ? C(-1) : (c == 0.0f ? C(0) : c));
         p = p * (1.0f - lr * wd) - lr * u;
         v[2] = b2 * v[2] + (1.0f - b2) * g;
         v[0] = p;

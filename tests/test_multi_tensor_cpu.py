@@ -1,6 +1,7 @@
 """Multi-tensor launcher, host side (no GPU): table packing and chunking, the plan cache,
 argument errors raised before the GPU is touched, aliasing rules, and NVRTC compilation of
 every multi-tensor kernel instance."""
+import collections
 import gc
 import os
 import subprocess
@@ -160,6 +161,16 @@ def test_a_required_list_given_as_none_is_a_type_error(sim, call, what):
     assert sim["launches"] == []
 
 
+def test_sparse_tensors_are_a_type_error():
+    """A sparse torch tensor has no data pointer: the cache key's pointer read (RuntimeError)
+    leaves it to the full path's documented TypeError."""
+    torch = pytest.importorskip("torch")
+    a = torch.zeros(3).to_sparse()
+    with pytest.raises(TypeError, match=r"foreach\.add_: tensors\[0\]"):
+        foreach.add_([a], [a])
+    assert C.cache_key([[a], [a]], 1) is None
+
+
 def test_mixed_frameworks_refused_before_the_gpu():
     from conftest import FakeDLPack
 
@@ -314,8 +325,8 @@ def test_dead_uploads_are_released_once_complete_and_captured_events_kept(monkey
             RT.destroyed.append(ev)
 
     rt = RT({1, 3})
-    monkeypatch.setattr(P, "_parked", [(rt, 1, "pinned1", False), (rt, 2, "pinned2", False),
-                                       (rt, 3, "pinned3", True)])
+    monkeypatch.setattr(P, "_parked", collections.deque(
+        [(rt, 1, "pinned1", False), (rt, 2, "pinned2", False), (rt, 3, "pinned3", True)]))
     P._release_parked()
     assert [item[1] for item in P._parked] == [2]  # 1 and 3 released, 2 still in flight
     assert RT.destroyed == [1]  # 3 was captured: its event stays
@@ -323,6 +334,28 @@ def test_dead_uploads_are_released_once_complete_and_captured_events_kept(monkey
     up.rt, up.event, up.host, up.captured = rt, 7, "pinned7", False
     del up
     assert P._parked[-1] == (rt, 7, "pinned7", False)
+
+
+def test_an_upload_parked_while_others_are_released_is_kept(monkeypatch):
+    """An upload that dies while _release_parked runs (another thread, or a garbage
+    collection during its runtime calls) stays parked: dropping it would hand its pinned
+    memory back to the pool under a pending copy."""
+    class RT:
+        def eventQuery(self, ev):
+            if ev == 1:  # a dead upload parks itself in the middle of the release
+                up = P._Upload()
+                up.rt, up.event, up.host, up.captured = self, 9, "pinned9", False
+                del up
+            return 0 if ev == 1 else 600
+
+        def eventDestroy(self, ev):
+            pass
+
+    rt = RT()
+    monkeypatch.setattr(P, "_parked", collections.deque(
+        [(rt, 1, "pinned1", False), (rt, 2, "pinned2", False)]))
+    P._release_parked()
+    assert sorted(item[1] for item in P._parked) == [2, 9]
 
 
 @pytest.fixture

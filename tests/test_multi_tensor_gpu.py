@@ -320,6 +320,13 @@ def test_lion_functional_and_found_inf():
     assert all(bool((a == b).all()) for a, b in zip(p, before)) and float(step[0]) == 3.0
     optim.increment_step_(step)
     assert float(step[0]) == 4.0
+    # a NaN gradient makes the parameter NaN (sign of NaN is NaN, as torch.sign and np.sign)
+    q, mq = [cp.ones(5, cp.float32)], [cp.zeros(5, cp.float32)]
+    gq = cp.asarray(np.array([np.nan, 1.0, -1.0, 0.0, np.nan], np.float32))
+    optim.lion_(q, [gq], mq, lr=0.5)
+    want = R.lion_step(np.ones(5), cp.asnumpy(gq), np.zeros(5), lr=0.5)[0]
+    np.testing.assert_array_equal(cp.asnumpy(q[0]), want)
+    assert np.isnan(want[0]) and want[3] == 1.0
 
 
 def test_clip_is_captured_in_a_cuda_graph():

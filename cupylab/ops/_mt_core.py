@@ -54,8 +54,8 @@ def cache_key(lists, writes):
         f = _torch_ptr = sys.modules["torch"].Tensor.data_ptr
     try:
         ptrs = tuple(None if lst is None else tuple(map(f, lst)) for lst in lists)
-    except (TypeError, AttributeError):
-        return None
+    except (TypeError, AttributeError, RuntimeError):  # not tensors, sparse tensors (no
+        return None  # storage): the full path refuses them with the documented errors
     return (writes, ids, ptrs)
 
 

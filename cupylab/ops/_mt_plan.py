@@ -22,6 +22,7 @@ a plan that a captured graph points into is kept past the bound (:func:`pin`).
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import threading
 import weakref
@@ -287,8 +288,10 @@ class _Upload:
 
 # (runtime, event, pinned memory, captured) of dead uploads not yet seen complete. An event
 # that a graph capture waits on (an external event node) is never destroyed: the graph may
-# be replayed after the upload is gone.
-_parked: list = []
+# be replayed after the upload is gone. A deque: __del__ may append while _release_parked
+# runs (another thread, or a garbage collection inside it), and an entry it dropped would
+# hand pinned memory back to the pool under a pending copy.
+_parked: collections.deque = collections.deque()
 _EVENT_WAIT_EXTERNAL = 1  # cudaEventWaitExternal
 
 
@@ -301,14 +304,18 @@ def _event_done(rt, event):
 
 
 def _release_parked():
-    keep = []
-    for item in _parked:
+    """Release the parked uploads seen complete; the others go back to the end (each entry
+    is taken out and put back whole: entries appended meanwhile are never lost)."""
+    for _ in range(len(_parked)):
+        try:
+            item = _parked.popleft()
+        except IndexError:  # another thread released them
+            return
         if _event_done(item[0], item[1]):
             if not item[3]:
                 item[0].eventDestroy(item[1])
         else:
-            keep.append(item)
-    _parked[:] = keep
+            _parked.append(item)
 
 
 capturing = _launch.capturing  # (rt, stream): True also when the runtime refuses the question
