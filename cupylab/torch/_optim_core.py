@@ -16,6 +16,7 @@ import torch
 
 from .. import _launch
 from ..ops import _mt_core as F, _mt_plan as P
+from ._optim_state import State, tracked
 
 _GRAD = operator.attrgetter("grad")
 _F32 = struct.Struct("f")
@@ -24,15 +25,17 @@ _STRIDED = torch.strided
 _NO_SUBCLASS_FN = torch._C.DisableTorchFunctionSubclass
 
 
-def _same_layout(params, grads, kp, kg):
+def _same_layout(params, grads, kp, kg, sizes):
     """Whether ``grads`` can replace the gradients of a stored plan for ``params`` without a
-    full validation: each a plain dense CUDA tensor of its param's shape, dtype and device,
-    contiguous, with no lazy conj/neg bit and not a param itself. Anything else takes the
-    full path, which raises the documented errors."""
+    full validation: each a plain dense CUDA tensor of its param's shape, dtype and device
+    and of the element count the plan was built with (a param shrunk in place keeps its
+    address), contiguous, with no lazy conj/neg bit and not a param itself. Anything else
+    takes the full path, which raises the documented errors."""
     if not set(kg).isdisjoint(kp):
         return False
-    for p, g in zip(params, grads):
-        if (g.dtype != p.dtype or g.shape != p.shape or g.layout is not _STRIDED
+    for p, g, n in zip(params, grads, sizes):
+        if (g.dtype != p.dtype or g.shape != p.shape or g.numel() != n
+                or g.layout is not _STRIDED
                 or not g.is_contiguous() or g.get_device() != p.get_device() or g.is_neg()
                 or g.is_conj()):
             return False
@@ -65,7 +68,10 @@ class _Fused:
     _cl_step_matters = False  # the update depends on the step count (bias correction)
 
     def _cl_setup(self, master_weights):
+        # per group (param pointers, grad pointers, units, layout, element counts)
         self._cl_plans = {}
+        self.state = tracked(self.state)
+        self._cl_seen = None  # the state's (Version, count) when the tables were last right
         # (plan, step counter) that CUDA graphs point into (P.for_stream), kept alive
         self._cl_captured = []
         self._cl_unsettled = set()  # params whose loaded master copies are not yet checked
@@ -148,6 +154,10 @@ class _Fused:
             by_count.setdefault(0.0 if st is None else float(st), []).append(i)
         return list(by_count.items())
 
+    def _cl_layout(self, group):
+        """The group settings a launch table's lists depend on (a change rebuilds it)."""
+        return bool(group.get("master_weights", False))
+
     def _cl_plan(self, gi, group):
         """``(stream, units)`` for the group's params with gradients, or None. ``units``: per
         step cohort ``(plan, step)``, ``step`` the cohort's counter (None for optimizers whose
@@ -170,8 +180,8 @@ class _Fused:
                 kg = tuple(map(_PTR, grads))
             kp = tuple(map(_PTR, params))
             hit = self._cl_plans.get(gi)
-            if hit is not None and not (hit[0] == kp and (
-                    hit[1] == kg or _same_layout(params, grads, kp, kg))):
+            if hit is not None and not (hit[0] == kp and hit[3] == self._cl_layout(group) and (
+                    hit[1] == kg or _same_layout(params, grads, kp, kg, hit[4]))):
                 hit = None
         if hit is None:
             return self._cl_build(gi, group, params, grads, kp, kg)
@@ -183,7 +193,7 @@ class _Fused:
             if hit[1] != kg:  # new gradient tensors (zero_grad(set_to_none=True)): repoint
                 units = [(P.repoint(plan, 1, kg if idx is None else [kg[i] for i in idx], s),
                           idx, ps, st) for plan, idx, ps, st in units]
-                self._cl_plans[gi] = (kp, kg, units)
+                self._cl_plans[gi] = (kp, kg, units, hit[3], hit[4])
             for plan, _, _, st in units:
                 plan = P.for_stream(plan, s)
                 if plan.captured and not plan.pinned:  # a graph points into it: keep it
@@ -217,7 +227,8 @@ class _Fused:
                 for p in ps:
                     self.state[p]["step"] = st
             units.append((plan, idx if idx is None or len(idx) < len(params) else None, ps, st))
-        self._cl_plans[gi] = (kp, kg, units)
+        self._cl_plans[gi] = (kp, kg, units, self._cl_layout(group),
+                              tuple(p.numel() for p in params))
         return s, [(plan, st) for plan, _, _, st in units]
 
     def _cl_counter(self, ps, count):
@@ -253,11 +264,22 @@ class _Fused:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        st = self.state
+        if type(st) is not State:  # assigned since the last step
+            st = self.state = tracked(st)
+        seen = self._cl_seen
+        if seen is None or seen[0] is not st._v or seen[1] != st._v.n:
+            self._cl_plans = {}  # the state changed: no table may point at what it held
         if found_inf is None:  # torch.amp.GradScaler sets these attributes
             found_inf = getattr(self, "found_inf", None)
         if grad_scale is None:
             grad_scale = getattr(self, "grad_scale", None)
         return loss, found_inf, grad_scale
+
+    def _cl_mark(self):
+        """Called once a step's tables are built and its counters placed (the optimizer's own
+        state writes done): the state as the tables now see it."""
+        self._cl_seen = (self.state._v, self.state._v.n)
 
     def _cl_lr(self, group):
         lr = group["lr"]
@@ -317,6 +339,7 @@ class _Fused:
         # the master copies are checked against the parameters at the next step, not now: a
         # checkpoint is often restored optimizer first, model second
         self._cl_unsettled = {p for p, st in self.state.items() if st}
+        self.state = tracked(self.state)  # torch's load assigned a plain defaultdict
 
     def _cl_settle(self, group, params):
         """Master copies of ``params`` loaded since their last step, made consistent with the

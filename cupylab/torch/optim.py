@@ -39,6 +39,13 @@ Differences from torch
 
 Host work per step for an unchanged parameter list: reading ``p.grad`` and the data pointers
 of params and grads (to detect reallocated gradients), then one launch per dtype group.
+The launch tables also hold the addresses of the state tensors: ``optimizer.state`` counts
+its changes (a state cleared, deleted, assigned, one tensor of it replaced; a mapping
+assigned to ``optimizer.state`` is taken over at the next step), and any change, or a change
+of a setting the lists depend on (SGD's ``momentum`` switched on or off, ``master_weights``),
+makes the next step build its tables again. Not seen: a state tensor whose storage is swapped
+in place (``t.data = ...``, ``t.set_(...)``); update state tensors in place or replace them
+in the state dict.
 """
 from __future__ import annotations
 
@@ -182,6 +189,7 @@ class _AdamBase(_Fused):
                     adamw=decoupled, maximize=group["maximize"], found_inf=found_inf,
                     grad_scale=grad_scale)
                 todo.append((launch, st, on_host))
+        self._cl_mark()
         for launch, st, on_host in todo:
             if on_host:
                 st += 1
@@ -296,6 +304,9 @@ class SGD(_Fused, torch.optim.SGD):
         self._cl_setup(master_weights)
         self._cl_first = {}
 
+    def _cl_layout(self, group):  # with momentum, the table holds the buffers
+        return super()._cl_layout(group), group["momentum"] != 0
+
     def _cl_lists(self, group, params, grads):
         st = self.state
         mom = group["momentum"] != 0
@@ -380,6 +391,7 @@ class SGD(_Fused, torch.optim.SGD):
                 dampening=group["dampening"], weight_decay=group["weight_decay"],
                 nesterov=group["nesterov"], maximize=group["maximize"], first_step=first,
                 found_inf=found_inf, grad_scale=grad_scale)))
+        self._cl_mark()
         for gi, launch in todo:
             self._cl_first.pop(gi, None)
             launch()
@@ -503,6 +515,7 @@ class Lion(_Fused, torch.optim.Optimizer):
                 "Lion.step", plan, s, lr=self._cl_lr(group), beta1=b1, beta2=b2,
                 weight_decay=group["weight_decay"], maximize=group["maximize"],
                 found_inf=found_inf, grad_scale=grad_scale))
+        self._cl_mark()
         for launch in todo:
             launch()
         return loss
