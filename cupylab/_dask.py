@@ -175,7 +175,8 @@ def elementwise(name, promo_op, fn, operands, names, out, dtype, casting, stream
             views.append(None)
             continue
         if not is_dask(a):
-            if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            if not (hasattr(a, "shape") and hasattr(a, "dtype")) and not isinstance(
+                    getattr(a, "__cuda_array_interface__", None), dict):
                 raise TypeError(f"{name}: {nm} must be a Dask array, a GPU array or a scalar "
                                 f"beside Dask arrays (got {type(a).__module__}."
                                 f"{type(a).__qualname__})")
@@ -325,18 +326,34 @@ def _ce_call(fn, ignore_index, label_smoothing, logits, target):
 def _as_dask(a):
     """``a`` (checked by :func:`view`) as a Dask array: itself, or a one-chunk Dask array of
     a GPU array (a bare ``__cuda_array_interface__`` object wrapped as a CuPy array first,
-    zero-copy)."""
+    zero-copy). An array whose dtype is not a NumPy one (a torch tensor) goes into the graph
+    as it is, the Dask array declaring the NumPy dtype of the same name and a NumPy meta
+    (Dask's ``from_array`` cannot read a torch dtype); the chunk calls get the tensor."""
     if is_dask(a):
         return a
     if not hasattr(a, "shape"):
         a = _runtime.cupy().asarray(a)
     import dask.array as da  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
-    # name=False: a random key; Dask's default hashes the data, which copies a CuPy array to
-    # the host
-    return da.from_array(a, chunks=tuple(a.shape), asarray=False, name=False,
-                         meta=meta_from_array(a, ndim=len(a.shape)))
+    shape = tuple(a.shape)
+    if isinstance(a.dtype, np.dtype):
+        # name=False: a random key; Dask's default hashes the data, which copies a CuPy array
+        # to the host
+        return da.from_array(a, chunks=shape, asarray=False, name=False,
+                             meta=meta_from_array(a, ndim=len(shape)))
+    import uuid  # noqa: PLC0415
+
+    from dask.highlevelgraph import HighLevelGraph  # noqa: PLC0415
+
+    from ._elementwise_core import _np_dtype_for  # noqa: PLC0415
+
+    npdt = np.dtype(_np_dtype_for(_dtypes.resolve(a.dtype)))
+    key = f"cupylab-operand-{uuid.uuid4().hex}"
+    graph = HighLevelGraph.from_collections(key, {(key,) + (0,) * len(shape): a}, ())
+    return da.Array(graph, key, tuple((n,) for n in shape), dtype=npdt,
+                    meta=np.empty((0,) * len(shape), npdt))
 
 
 def _np_float32():
@@ -403,19 +420,35 @@ def norm_backward(name, fn, dy, x, weight, stats, stream, weight_grad=True):
         return (dx, None, None) if len(stats) == 2 else (dx, None)
     k = len(stats)  # weight gradients: dweight, and dbias for layer_norm
     acc = xd.dtype if xd.dtype.itemsize == 8 else _np_float32()  # rc.acc_dtype's rule
-    wa = weight
-    if xv.dtype.itemsize == 2 and getattr(weight.dtype, "itemsize", 0) == 2:
-        import cupy  # noqa: PLC0415 - a GPU weight beside Dask arrays of GPU chunks
+    from ._elementwise_core import _np_dtype_for  # noqa: PLC0415
 
-        # each chunk's sums come back unrounded (the op takes float32 weights with 16-bit x)
-        wa = cupy.asarray(weight).astype(cupy.float32)
-    part = da.blockwise(functools.partial(_nb_call, fn, wa, acc), rows + (nd, nd - 1),
+    wdt = view(name, "weight", weight, dask_ok=False).dtype  # a CAI weight has no .dtype
+    # with 16-bit x and weight, each chunk's call is given the weight as float32 (cast in the
+    # chunk's task, on its device and stream; the op takes float32 weights with 16-bit x,
+    # and the weight's values do not enter its gradients), so its sums come back unrounded
+    wide = xv.dtype.itemsize == 2 and wdt.itemsize == 2
+    part = da.blockwise(functools.partial(_nb_call, fn, _Float32(weight) if wide else weight,
+                                          acc), rows + (nd, nd - 1),
                         *args, name=_key(f"{name}-grads", [weight]), new_axes={nd: k},
                         adjust_chunks={i: 1 for i in rows},
                         dtype=acc, concatenate=True,
                         meta=meta_from_array(xd._meta, ndim=nd + 1, dtype=acc))
-    g = part.sum(axis=rows, dtype=acc).astype(weight.dtype)
+    g = part.sum(axis=rows, dtype=acc).astype(_np_dtype_for(wdt))
     return (dx,) + tuple(g[j] for j in range(k))
+
+
+class _Float32:
+    """A weight that a chunk's task casts to float32 before the call (:func:`_nb_call`)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight):
+        self.weight = weight
+
+    def get(self):
+        from .ops.elementwise import add  # noqa: PLC0415
+
+        return add(self.weight, 0.0, dtype="float32")
 
 
 def _nb_call(fn, weight, acc, dy, x, *stats):
@@ -424,6 +457,8 @@ def _nb_call(fn, weight, acc, dy, x, *stats):
     rows."""
     import numpy as np  # noqa: PLC0415 - dispatches to the chunk's array type (NEP 18)
 
+    if type(weight) is _Float32:
+        weight = weight.get()
     if acc is None:  # dx alone: no weight gradients computed
         return fn(dy, x, weight, *stats, weight_grad=False)[0]
     r = fn(dy, x, weight, *stats)

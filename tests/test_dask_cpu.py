@@ -327,6 +327,8 @@ def numpy_norm_bwd(monkeypatch):
     seen = []
 
     def nb_call(fn, weight, acc, dy, x, *stats):
+        if type(weight) is _dask._Float32:  # the chunk's task casts it (cupylab.add on a GPU)
+            weight = np.asarray(weight.weight, np.float32).view(Chunk)
         seen.append((fn.__name__, acc, x.shape, [s.shape for s in stats],
                      None if weight is None else np.dtype(weight.dtype)))
         dy, x = np.asarray(dy, np.float64), np.asarray(x, np.float64)
@@ -400,20 +402,11 @@ def test_norm_backward_takes_the_chunks_of_the_first_dask_operand(numpy_norm_bwd
     assert dx.chunks == ((6, 6), (8,))  # only the statistics are Dask arrays
 
 
-def test_norm_backward_gives_16_bit_weights_to_the_chunks_as_float32(numpy_norm_bwd,
-                                                                    monkeypatch):
+def test_norm_backward_gives_16_bit_weights_to_the_chunks_as_float32(numpy_norm_bwd):
     """Each chunk's weight gradient comes back unrounded (float32) and the sum is rounded to
-    the weight's dtype once; dx is computed with the weight as given."""
-    import types
-
-    made = []
-
-    def asarray(a):
-        made.append(a)
-        return np.asarray(a).view(Chunk)
-
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(asarray=asarray,
-                                                                   float32=np.float32))
+    the weight's dtype once; dx is computed with the weight as given. The cast is made in
+    each chunk's task (it was made when the graph was built: on the builder's device and
+    stream, with CuPy, which refused torch weights)."""
     x = np.ones((8, 4), np.float16)
     w = np.ones(4, np.float16).view(Chunk)
     r = np.ones(8, np.float32)
@@ -421,7 +414,6 @@ def test_norm_backward_gives_16_bit_weights_to_the_chunks_as_float32(numpy_norm_
     assert dw.dtype == np.float16 and dx.dtype == np.float16
     dw.compute(scheduler="sync")
     dx.compute(scheduler="sync")
-    assert made and made[0] is w
     # dx with the float16 weight; the weight gradients with float32 weights, summed in float32
     calls = {(acc is None, None if acc is None else np.dtype(acc), wdt)
              for _, acc, _, _, wdt in numpy_norm_bwd}
@@ -604,3 +596,47 @@ def test_cuda_array_interface_weights_beside_dask_arrays():
         cupylab.rms_norm(x, FakeCAI((5,), "<f4"))
     with pytest.raises(TypeError, match="rms_norm: weight must be float32"):
         cupylab.rms_norm(x, FakeCAI((6,), "<f8"))
+
+
+def test_a_bare_cuda_array_interface_weight_in_the_norm_backward(numpy_norm_bwd):
+    """The weight's dtype is read from its view: a bare __cuda_array_interface__ weight has
+    no .dtype (AttributeError while building the graph)."""
+    x = chunked(np.ones((8, 6), np.float32), (4, 6))
+    r = chunked(np.ones(8, np.float32), 4)
+    dx, dw = cupylab.rms_norm_backward(x, x, FakeCAI((6,), "<f4"), r)
+    assert dx.shape == (8, 6) and dw.shape == (6,) and dw.dtype == np.float32
+
+
+def test_a_bare_cuda_array_interface_operand_beside_dask_arrays(numpy_chunks, monkeypatch):
+    """The elementwise form takes a bare __cuda_array_interface__ operand as the eager
+    operators do (it was refused: no shape attribute), also as add_rms_norm's residual."""
+    from cupylab import _runtime
+
+    def asarray(a):
+        return np.full(a.__cuda_array_interface__["shape"], 2.0, np.float32).view(Chunk)
+
+    monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(asarray=asarray))
+    x = chunked(np.ones((8, 6), np.float32), (4, 3))
+    z = cupylab.add(x, FakeCAI((6,), "<f4"))
+    assert z.shape == (8, 6) and z.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(z.compute(scheduler="sync")), np.full((8, 6), 3.0))
+    y, h = cupylab.add_rms_norm(x, FakeCAI((8, 6), "<f4"), None)
+    assert y.shape == h.shape == (8, 6)
+
+
+def test_a_torch_tensor_beside_dask_arrays_goes_to_the_chunks_as_it_is(numpy_chunks):
+    """Dask's from_array cannot read a torch dtype (TypeError while building the graph): the
+    tensor becomes a one-chunk Dask array declaring the NumPy dtype of the same name, and the
+    chunk calls get the tensor itself."""
+    torch = pytest.importorskip("torch")
+    t = torch.full((6,), 2.0)
+    d = _dask._as_dask(t)
+    assert d.dtype == np.float32 and d.shape == (6,) and d.chunks == ((6,),)
+    (block,) = d.__dask_graph__().values()
+    assert block is t
+    x = chunked(np.ones((8, 6), np.float32), (4, 3))
+    z = cupylab.add(x, t)
+    assert z.shape == (8, 6) and z.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(z.compute(scheduler="sync")), np.full((8, 6), 3.0))
+    tb = _dask._as_dask(torch.ones(3, dtype=torch.bfloat16))
+    assert tb.dtype.name == "bfloat16"
