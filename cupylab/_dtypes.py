@@ -235,14 +235,16 @@ _PY_TYPES = {bool: "bool", int: "int64", float: "float64", complex: "complex128"
 
 def resolve(dtype) -> DType:
     """Accept a :class:`DType`, a name, a NumPy/ml_dtypes dtype or scalar type, a torch
-    dtype, or a Python type (``float`` is float64 and ``complex`` complex128, as in NumPy),
-    and return the :class:`DType`. A string cupylab does not know is read by NumPy
-    (``"f8"``, ``"d"``)."""
+    dtype, or a Python type (``float`` and ``"float"`` are float64, ``complex`` complex128,
+    as in NumPy), and return the :class:`DType`. A string cupylab does not know is read by
+    NumPy (``"f8"``, ``"d"``)."""
     if isinstance(dtype, DType):
         return dtype
     if isinstance(dtype, type) and dtype in _PY_TYPES:
         return DTYPES[_PY_TYPES[dtype]]
     if isinstance(dtype, str):
+        if dtype == "float":  # NumPy's word for float64, as dtype=float (C's float: "fp32")
+            return DTYPES["float64"]
         name = dtype[6:] if dtype.startswith("torch.") else dtype
         if name not in DTYPES and name not in _ALIASES:
             try:

@@ -448,10 +448,18 @@ def _validate_promote(name, ops, views, names, promote, out, kind, n):
 
 
 def _host_value(v):
-    """A Python number from a Python/NumPy scalar or a 0-d host array."""
+    """A Python number from a Python/NumPy scalar, a 0-d host array, or an instance of a
+    subclass of a Python number type (IntEnum, a float subclass: their value as the base
+    type)."""
     if type(v) in (int, float, bool, complex):
         return v
-    return v.item()
+    item = getattr(v, "item", None)
+    if item is not None:
+        return item()
+    for base in (bool, int, float, complex):
+        if isinstance(v, base):
+            return base(v)
+    return v
 
 
 def _is_host_scalar(v):

@@ -75,13 +75,17 @@ def torch_stream(ptr: int, device: int):
     """A ``torch.cuda.ExternalStream`` for the raw handle ``ptr`` on ``device``, e.g. to make
     it torch's current stream while allocating: the caching allocator then hands out memory
     that is free for work on that stream, and takes it back behind that stream's work. The
-    wrappers own nothing and are kept (a few per process)."""
+    wrappers own nothing and are kept (a few per process). Handle 0 is torch's default
+    stream of ``device`` (``ExternalStream(0)`` would be a new stream from torch's pool: it
+    takes a null pointer for "none given")."""
     key = (ptr, device)
     st = _torch_streams.get(key)
     if st is None:
         if len(_torch_streams) > 64:
             _torch_streams.clear()
-        st = _torch_streams[key] = sys.modules["torch"].cuda.ExternalStream(ptr, device=device)
+        tc = sys.modules["torch"].cuda
+        st = _torch_streams[key] = (tc.default_stream(device) if ptr == 0 else
+                                    tc.ExternalStream(ptr, device=device))
     return st
 
 

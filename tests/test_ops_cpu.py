@@ -481,6 +481,7 @@ def test_dtype_keyword_reads_python_types_and_numpy_spellings_as_numpy_does():
     assert _dtypes.resolve(complex).name == "complex128"
     assert _dtypes.resolve(int).name == "int64" and _dtypes.resolve(bool).name == "bool"
     assert _dtypes.resolve("f8").name == _dtypes.resolve("d").name == "float64"
+    assert _dtypes.resolve("float").name == "float64"  # np.dtype("float"); it was float32
     assert _dtypes.resolve("i4").name == "int32"
     with pytest.raises(TypeError, match="unknown dtype 'nonsense'"):
         _dtypes.resolve("nonsense")
@@ -605,3 +606,22 @@ def test_weakly_typed_jax_scalars_promote_like_python_numbers():
     assert _promotion.operand_key(StrongScalar(), v) == ("a", "float32", True)
     vi = View(0x1000, (), (), _dtypes.from_name("int32"), 0, True, None, "jax", None)
     assert _promotion.operand_key(WeakScalar(), vi) == ("w", "int")
+
+
+def test_subclasses_of_python_numbers_are_taken_as_operands(sim):
+    """An IntEnum member or a float subclass is a strong int64 / float64 scalar (as NumPy
+    takes it): its value was read with .item(), which they lack (AttributeError)."""
+    import enum
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Meters(float):
+        pass
+
+    x = FakeCAI((4,), typestr="<f8")
+    o = FakeCAI((4,), typestr="<f8", ptr=0x7F10_0000_0000)
+    cupylab.add(x, Meters(2.5), out=o)
+    cupylab.multiply(x, Level.HIGH, out=o)
+    a, b = sim["launches"]
+    assert 2.5 in a["args"] and 3.0 in b["args"]

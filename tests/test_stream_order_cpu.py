@@ -116,6 +116,21 @@ def test_torch_allocation_for_another_stream_is_made_while_it_is_current(monkeyp
     assert _launch.torch_stream(0x99, 1) is _launch.torch_stream(0x99, 1)  # kept
 
 
+def test_torch_handle_0_is_the_default_stream_not_a_new_one(monkeypatch):
+    """torch.cuda.ExternalStream(0) is a new stream from torch's pool (a null pointer means
+    "none given"): the result of a stream= call made while torch's default stream is current
+    was record_stream'd on that unrelated stream, not the caller's."""
+    made = []
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        ExternalStream=lambda ptr, device: made.append(("ext", ptr, device)) or made[-1],
+        default_stream=lambda device: made.append(("default", device)) or made[-1]))
+    monkeypatch.setitem(_launch.sys.modules, "torch", torch)
+    monkeypatch.setattr(_launch, "_torch_streams", {})
+    assert _launch.torch_stream(0, 1) == ("default", 1)
+    assert _launch.torch_stream(0x99, 1) == ("ext", 0x99, 1)
+    assert made == [("default", 1), ("ext", 0x99, 1)]
+
+
 def test_cupy_stream_wrappers_are_kept_and_cupys_deprecation_stays_quiet(monkeypatch):
     made = []
 

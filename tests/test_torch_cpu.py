@@ -91,6 +91,7 @@ def _ce(logits, target, ii, red, ls, compute_grad, fp32_loss=False):
 
 
 CALLS = []  # (kernel name, args) of every reference kernel call
+_REAL_SCALE_GRAD = _kernels.scale_grad  # (a stand-in replaces it below)
 
 
 def _log(name, fn):
@@ -755,6 +756,47 @@ def test_cross_entropy_double_backward_raises(cpu_kernels, path):
         torch.nn.functional.cross_entropy(x, t), x)[0])
     with pytest.raises(RuntimeError, match="no double backward"):
         gx.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("how", ["grad_outputs", "create_graph"])
+def test_cross_entropy_backward_takes_an_incoming_gradient_that_requires_grad(
+        cpu_kernels, monkeypatch, how):
+    """The gradient's scale (the incoming gradient, float32 or float64) was handed to
+    cupylab.multiply still requiring grad, which cupylab refuses (TypeError): per-row loss
+    weights that require grad, or create_graph with a learned loss scale, failed the first
+    backward (torch's cross-entropy takes both)."""
+    import cupylab
+
+    def multiply(a, b, out=None, dtype=None):  # refuses what the real kernel refuses
+        if a.requires_grad or b.requires_grad:
+            raise TypeError("multiply: a torch tensor that requires grad")
+        return out.copy_((a.to(dtype) * b).to(out.dtype))
+
+    monkeypatch.setattr(_kernels, "scale_grad", _REAL_SCALE_GRAD)
+    monkeypatch.setattr(cupylab, "multiply", multiply)
+    x = _g(5, 7, dtype=torch.float64)
+    t = torch.tensor([0, 3, 6, 2, 1])
+    ref = torch.nn.functional.cross_entropy
+    if how == "grad_outputs":
+        go = torch.rand(5, dtype=torch.float64, requires_grad=True)
+        (gx,) = torch.autograd.grad(F.cross_entropy(x, t, reduction="none"), x, go)
+        (want,) = torch.autograd.grad(ref(x, t, reduction="none"), x, go)
+    else:
+        lam = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+        (gx,) = torch.autograd.grad(F.cross_entropy(x, t) * lam, x, create_graph=True)
+        (want,) = torch.autograd.grad(ref(x, t) * lam, x)
+    torch.testing.assert_close(gx.detach(), want)
+
+
+def test_a_row_wise_gradient_made_with_create_graph_can_be_modified_in_place(cpu_kernels):
+    """The guard against a second differentiation returned an autograd view of the gradient,
+    which refused an in-place update ("a view ... is being modified inplace")."""
+    x = _g(4, 6, dtype=torch.float64)
+    w = _g(6, dtype=torch.float64, seed=1)
+    (gx,) = torch.autograd.grad(F.rms_norm(x, 6, w).pow(2).sum(), x, create_graph=True)
+    want = gx.detach().clone()
+    gx.mul_(2)
+    torch.testing.assert_close(gx.detach(), want * 2)
 
 
 def _ce_call(path, x, t, red="mean"):

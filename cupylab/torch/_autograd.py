@@ -131,7 +131,8 @@ class _NoDoubleBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, name):
         ctx.name = name
-        return g.view_as(g)
+        # the same memory, not an autograd view: the caller may modify the gradient in place
+        return g.detach()
 
     @staticmethod
     def backward(ctx, _):

@@ -198,7 +198,9 @@ def scale_grad(g, s):
     ``s`` a float32 (float64) tensor broadcast to ``g``: the loss's gradient is not rounded
     to a 16-bit dtype before it multiplies (GradScaler's 65536 overflows float16)."""
     out = torch.empty_like(g, memory_format=torch.contiguous_format)
-    return cupylab.multiply(g, s, out=out, dtype=s.dtype)
+    # s may require grad (an incoming gradient that does, create_graph=True): the kernel
+    # reads its value; a second differentiation is refused by the caller
+    return cupylab.multiply(_d(g), _d(s), out=out, dtype=s.dtype)
 
 
 # -- elementwise ------------------------------------------------------------------------------

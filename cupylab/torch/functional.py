@@ -22,7 +22,10 @@ functions work inside ``torch.cuda.graph`` capture and under ``mode="reduce-over
 synchronises the host. Backward kernels are cupylab's (``softmax_backward``,
 ``log_softmax_backward``, ``rms_norm_backward``, ``layer_norm_backward``); cross-entropy writes
 its gradient during the forward pass, so its backward is one multiplication by the output
-gradient. Elementwise gradients are torch operations. No double backward.
+gradient. Elementwise gradients are torch operations, so they can be differentiated again
+(``create_graph=True``); the row-wise and cross-entropy gradients can be taken with
+``create_graph=True`` (and modified in place), but differentiating them again raises
+``RuntimeError`` (no double backward) rather than leaving out the second derivatives.
 
 dtypes: float16, bfloat16, float32, float64 (float64 for gradcheck); norm weights may be
 float32 with 16-bit activations (their gradients are then float32). Errors name

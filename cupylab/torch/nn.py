@@ -48,8 +48,10 @@ _compiling = torch.compiler.is_compiling
 
 def _gpu_float(x):
     """True when ``x`` is a plain dense CUDA tensor of a dtype cupylab's row-wise kernels
-    compute. Tensor subclasses (DTensor, FakeTensor outside torch.compile's tracing, nested
-    tensors) and other layouts run torch's own forward."""
+    compute. In eager mode tensor subclasses (DTensor, FakeTensor, nested tensors) and other
+    layouts run torch's own forward; while torch.compile traces, every tensor it traces is a
+    subclass (FakeTensor, functional wrappers), so any CUDA tensor takes cupylab's op there
+    (a DTensor model compiled with these modules gets no sharding rule for it)."""
     return ((type(x) is _TENSOR or (_compiling() and isinstance(x, _TENSOR)))
             and x.is_cuda and x.dtype in _FLOATS and x.layout is _STRIDED)
 
