@@ -104,7 +104,9 @@ def make_binder(params, args):
                      "    return None",
                      f"m = {v}.data",
                      f"d{i} = m.device_id",
-                     f"v{i} = m.ptr"]
+                     f"v{i} = m.ptr",
+                     f"if v{i} % t.itemsize:",  # a byte-offset .view(): the full path refuses
+                     "    return None"]
         values.append(f"v{i}")
         devices.append(f"d{i}")
     if not devices:
@@ -268,13 +270,15 @@ def _ew_source(ek, torch):
                  f"if {same.format(a='out')} or out.data.device_id != dev:", "    return MISS",
                  "nb = n * info[4]"]
         operand = [f"if {same}:", "    return MISS", "m = {a}.data",
-                   "if m.device_id != dev:", "    return MISS", "p{j} = m.ptr"]
-        first = ["p{j} = m.ptr"]
+                   "if m.device_id != dev:", "    return MISS", "p{j} = m.ptr",
+                   "if p{j} % info[4]:", "    return MISS"]  # a byte-offset .view()
+        first = ["p{j} = m.ptr", "if p{j} % info[4]:", "    return MISS"]
     body = head + ["if not 0 < n <= info[3]:", "    return MISS",
                    "if (_k._get_device or _k._init_device())() != dev:", "    return MISS",
                    "if out is None:"] + [f"    {line}" for line in alloc + ["nb = 0"]]
     body += ["else:"] + [f"    {line}" for line in given + ["o = out"]]
-    body += ["optr = o.data_ptr()" if torch else "optr = o.data.ptr"]
+    body += ["optr = o.data_ptr()"] if torch else ["optr = o.data.ptr",
+                                                   "if optr % info[4]:", "    return MISS"]
     for j in arrays:
         for line in first if j == arrays[0] else operand:
             body.append(line.format(a=f"a{j}", j=j))

@@ -482,3 +482,50 @@ def test_cupy_dtype_checked_on_the_binder(fw):
     with pytest.raises(ValueError, match="different GPUs"):
         k.launch_1d(8, x, fw.c(device=1), o, 8)
     assert len(fw.launches) == n
+
+
+def test_misaligned_cupy_views_take_the_full_path_and_are_refused(fw):
+    """A byte-offset .view() of another dtype (a float32 array starting 2 bytes into its
+    buffer) is refused by the full path; the lean paths of users' kernels and elementwise
+    kernels launched on it once a pattern was warm (the vector kernels would fault on the
+    misaligned address)."""
+    k = mod()["vadd"]
+    x, y, o = fw.c(), fw.c(), fw.c()
+    twice(fw, lambda: k.launch_1d(8, x, y, o, 8))
+    bad = fw.c(ptr=x.data.ptr + 2)
+    e = ElementwiseKernel(mod(), "fam<{T}>")
+    a, b = fw.c((20, 30)), fw.c((20, 30))
+    twice(fw, lambda: e(a, b, 2.0))
+    twice(fw, lambda: e(a, b, 2.0, out=fw.c((20, 30))))
+    n = len(fw.launches)
+    shifted = fw.c((20, 30), ptr=a.data.ptr + 2)
+    for call in (lambda: k.launch_1d(8, bad, y, o, 8), lambda: k.launch_1d(8, x, y, bad, 8),
+                 lambda: e(shifted, b, 2.0), lambda: e(a, shifted, 2.0),
+                 lambda: e(a, b, 2.0, out=shifted)):
+        with pytest.raises(ValueError, match="not aligned to its item size"):
+            call()
+    assert len(fw.launches) == n
+
+
+def test_the_operators_lean_path_misses_on_misaligned_cupy_views(fw, monkeypatch):
+    """cupylab.add's lean CuPy handlers (one dtype, mixed dtypes) leave a misaligned operand
+    or out to the general path, which refuses it; aligned ones still launch there."""
+    from cupylab.ops import _fast
+
+    launched = []
+    monkeypatch.setattr(_fast, "_launch", lambda *a: launched.append(a))
+    monkeypatch.setattr(_fast, "_launch_mixed", lambda *a: launched.append(a))
+    monkeypatch.setattr(_fast, "_get_device", None)
+    op = 0  # add
+    x, y, o = fw.c(), fw.c(), fw.c()
+    h16 = fw.c(dtype="float16")
+    assert _fast._cupy(op, x, y, _fast.ABSENT, o, None) is o
+    assert _fast._cupy_mixed(op, x, h16, _fast.ABSENT, o) is o
+    assert len(launched) == 2
+    bad = fw.c(ptr=x.data.ptr + 2)
+    bad16 = fw.c(dtype="float16", ptr=h16.data.ptr + 1)
+    for args in ((bad, y, o), (x, bad, o), (x, y, bad)):
+        assert _fast._cupy(op, *args[:2], _fast.ABSENT, args[2], None) is _fast.MISS
+    for args in ((bad, h16, o), (x, bad16, o), (x, h16, bad)):
+        assert _fast._cupy_mixed(op, *args[:2], _fast.ABSENT, args[2]) is _fast.MISS
+    assert len(launched) == 2

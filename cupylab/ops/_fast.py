@@ -304,6 +304,8 @@ def _cupy(op, x, y, z, out, allow):
                     or (p2 and p2 != optr and -nb < p2 - optr < nb)):
                 return MISS
             o = out
+        if (p0 | p1 | p2 | optr) & (dt.itemsize - 1):  # a byte-offset .view(): the full
+            return MISS  # path refuses it (the vector kernels would fault)
         stream = _cupy_stream().ptr
     except Exception:  # noqa: BLE001
         return MISS
@@ -439,6 +441,10 @@ def _cupy_mixed(op, x, y, z, out):
                                                         (p2, n * isz[3]))):
                 return MISS
             o = out
+        isz = info[4]  # (out, x, y, z): a byte-offset .view() goes to the full path
+        if (p0 & (isz[1] - 1) or p1 & (isz[2] - 1) or (three and p2 & (isz[3] - 1))
+                or optr & (isz[0] - 1)):
+            return MISS
         stream = _cupy_stream().ptr
     except Exception:  # noqa: BLE001
         return MISS
