@@ -234,6 +234,15 @@ class Call:
                  "stream", "size", "allocated", "overlap")
 
 
+def wait_producers(c):
+    """Order ``c``'s launch after producers that told us their stream (CAI v3): the inputs'
+    and a given ``out``'s (its pending work must not overlap the launch's writes). Call it
+    with ``c.device`` current."""
+    for v in c.views + ([] if c.allocated else [c.out]):
+        if v is not None and v.stream is not None:
+            _launch.wait_for(c.stream, v.stream, c.device)
+
+
 def prepare_call(name, operands, out=None, stream=None, names=None, allow_scalars=None,
                  dtype_check=None, promote=None) -> Call:
     """Validate elementwise operands and produce a :class:`Call` (output allocated).

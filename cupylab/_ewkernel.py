@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import _arrays, _kfast, _launch
-from ._elementwise_core import c_strides, finish_output, prepare_call
+from ._elementwise_core import c_strides, finish_output, prepare_call, wait_producers
 from ._kernel import _MAX_GRID_X, Kernel, _block, _readonly_msg
 from ._kmodule import KernelModule
 from ._kparams import _BYTE_POINTEES, PAIR_POINTEES
@@ -282,9 +282,7 @@ class ElementwiseKernel:
                 raise ValueError(f"{self.name}: {n} elements need more than {_MAX_GRID_X} "
                                  "blocks; use a larger block")
             with _launch.ensure_device(c.device):
-                for v in c.views:
-                    if v.stream is not None:
-                        _launch.wait_for(c.stream, v.stream, c.device)
+                wait_producers(c)  # the inputs' CAI v3 streams, and a given out's
                 k._k.launch(c.device, grid, self.block, c.stream, values)
         else:
             k = None

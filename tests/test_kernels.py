@@ -719,6 +719,16 @@ def test_simulated_dlpack_gets_launch_stream(sim):
     assert sim["launches"][-1]["args"][0] == 0x4000
 
 
+def test_elementwise_kernel_waits_on_a_given_outs_producer_stream(sim):
+    """A CUDA Array Interface v3 out's stream is waited on, like the inputs' (its pending
+    work could overlap the launch's writes); the operators did, ElementwiseKernel did not."""
+    e = ElementwiseKernel(mod(FUSED), "fam<{T}>")
+    a = FakeCAI((4, 50), "<f8", ptr=0x1000, stream=0x1111)
+    b = FakeCAI((4, 50), "<f8", ptr=0x2000)
+    e(a, b, 0.5, out=FakeCAI((4, 50), "<f8", ptr=0x9000, stream=0x2222))
+    assert sim["waits"] == [(0x5700, 0x1111), (0x5700, 0x2222)]
+
+
 def test_simulated_elementwise(sim):
     m = mod(FUSED)
     e = ElementwiseKernel(m, "fam<{T}>", block=128)

@@ -30,7 +30,7 @@ import struct
 from .. import _compile, _dask, _dtypes, _launch, _promotion, _runtime
 from .._arrays import as_view
 from .._elementwise_core import (Call, allocate, broadcast_strides, c_strides, coalesce,
-                                 finish_output, prepare_call)
+                                 finish_output, prepare_call, wait_producers)
 from . import _fast
 
 __all__ = ["add", "subtract", "multiply", "divide", "true_divide", "floor_divide", "sub", "mul",
@@ -303,7 +303,7 @@ def _run(name, kop, operands, names, out, dtype, casting, stream, allow):
         return _host_scalars(name, kop, operands, dt, casting)
     if c.size:
         with _launch.ensure_device(c.device):
-            _wait_producers(c)
+            wait_producers(c)
             if c.overlap:
                 _through_temporary(kop, c)
             else:
@@ -352,14 +352,6 @@ def _host_scalars(name, kop, operands, dt, casting):
     except TypeError as e:
         raise TypeError(f"{name}: {e}") from None
     return _runtime.cupy().asarray(r)
-
-
-def _wait_producers(c):
-    """Order the launch after producers that told us their stream (CAI v3): the inputs' and
-    a given ``out``'s (its pending work must not overlap the launch's writes)."""
-    for v in c.views + ([] if c.allocated else [c.out]):
-        if v is not None and v.stream is not None:
-            _launch.wait_for(c.stream, v.stream, c.device)
 
 
 def _types(op, c, views):
