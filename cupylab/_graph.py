@@ -84,9 +84,16 @@ class Graph:
                 yield self
                 ok = True
             finally:
-                graph = s.end_capture()  # always ends the capture
                 # a body that raised leaves nothing to replay (not a half-captured graph,
-                # nor an earlier one the caller meant to replace)
+                # nor an earlier one the caller meant to replace), nor does a capture that
+                # CUDA invalidated (end_capture raises then)
+                self._graph = None
+                try:
+                    graph = s.end_capture()  # always ends the capture
+                except Exception:  # noqa: BLE001
+                    if ok:
+                        raise
+                    graph = None  # the body's own exception propagates, not this one
                 self._graph = graph if ok else None
         self._stream = s
 

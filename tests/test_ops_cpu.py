@@ -529,7 +529,21 @@ def test_a_capture_whose_body_raises_leaves_nothing_to_replay(monkeypatch):
     assert ended == [True, True]
     with pytest.raises(RuntimeError, match="nothing captured"):
         g.replay()
-
+    # a capture CUDA invalidated: end_capture raises. The body's own error propagates (not
+    # end_capture's), and the earlier graph is not left to replay
+    with g.capture():
+        pass
+    Stream.end_capture = lambda self: (_ for _ in ()).throw(RuntimeError("invalidated"))
+    with pytest.raises(ValueError, match="the body's"), g.capture():
+        raise ValueError("the body's")
+    assert g._graph is None
+    Stream.end_capture = lambda self: types.SimpleNamespace(launch=lambda *a: None)
+    with g.capture():
+        pass
+    Stream.end_capture = lambda self: (_ for _ in ()).throw(RuntimeError("invalidated"))
+    with pytest.raises(RuntimeError, match="invalidated"), g.capture():
+        pass  # the body did nothing wrong: the capture's own error
+    assert g._graph is None
 
 
 def test_load_kernels_refuses_a_single_string_where_a_list_is_meant():
