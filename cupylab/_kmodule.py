@@ -167,7 +167,11 @@ class KernelModule:
             hd, ha = _scan(htext, hpath)
             decls = hd + decls
             for k, v in ha.items():
-                aliases.setdefault(k, v)
+                # defined differently in two files (headers behind #if branches, which the
+                # scanner does not evaluate): None, reported when a kernel uses it, as
+                # within one file (_cparse._alias)
+                old = aliases.get(k, v)
+                aliases[k] = v if old == v else None
         self._aliases = aliases
         self._decls = {}
         for d in decls:

@@ -417,6 +417,25 @@ def test_a_type_defined_by_preprocessor_branches_is_reported_not_guessed():
     load_kernels(source=same)["s"].pack(FakeCAI((8,), "<f4"), 8)  # a repeated equal alias
 
 
+def test_a_type_defined_differently_by_two_headers_is_reported_not_guessed(tmp_path):
+    """Headers included from the branches of an #ifdef each define `real`: the first header
+    scanned used to win (double, while the build without -DUSE_DOUBLE compiled float, so the
+    scalar was packed as 8 bytes); as within one file, the kernel's use says to declare the
+    signature."""
+    (tmp_path / "real_double.h").write_text("typedef double real;\n")
+    (tmp_path / "real_float.h").write_text("typedef float real;\n")
+    (tmp_path / "same.h").write_text("typedef float real;\n")
+    cu = tmp_path / "k.cu"
+    cu.write_text('#ifdef USE_DOUBLE\n#include "real_double.h"\n#else\n#include "real_float.h"\n'
+                  '#endif\nextern "C" __global__ void axpy(real* x, real a, int n) {}\n')
+    with pytest.raises(ValueError, match=r"type .real. is defined more than once.*signatures="):
+        load_kernels(cu)["axpy"].pack(FakeCAI((8,), "<f4"), 2.0, 8)
+    ok = tmp_path / "ok.cu"  # the same alias in a header and the file: no ambiguity
+    ok.write_text('#include "same.h"\ntypedef float real;\n'
+                  'extern "C" __global__ void s(real* y, int n) {}\n')
+    load_kernels(ok)["s"].pack(FakeCAI((8,), "<f4"), 8)
+
+
 def test_elementwise_kernel_refuses_pointers_it_cannot_count(sim):
     """ElementwiseKernel passes the arrays' element count: a pointee cupylab has no dtype for
     (float4, a struct, a pointer) would be indexed past the arrays' end."""
