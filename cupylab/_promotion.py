@@ -192,8 +192,10 @@ def _torch(op, keys, dtype, out, casting):
 
     args = [arg(k) for k in keys]
     r = torch.result_type(args[0], args[1])
-    if op == "fused_add_mul":
-        r = torch.result_type(torch.empty((1,), dtype=r), args[2])
+    if op == "fused_add_mul":  # (a + b) is 0-d when a and b are: it then takes part in
+        # the multiply by category only, as torch's own (a + b) * s
+        zero_d = all(k[0] != "a" or k[2] for k in keys[:2])
+        r = torch.result_type(torch.empty(() if zero_d else (1,), dtype=r), args[2])
     if r == getattr(torch, "complex32", None):
         raise TypeError("torch's result type is complex32 (ComplexHalf), which cupylab does not "
                         "compute; make an operand complex64 first")

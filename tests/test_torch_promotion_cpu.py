@@ -77,3 +77,22 @@ def test_subclasses_of_python_numbers_are_strong_scalars():
     assert P.operand_key(2.5, None) == ("w", "float")
     with pytest.raises(TypeError, match="Fraction is not a number cupylab can use"):
         P.operand_key(fractions.Fraction(1, 3), None)
+
+
+def test_fused_add_mul_of_two_0d_tensors_follows_torch():
+    """(a + b) of two 0-d tensors is 0-d: against a dimensioned s it counts by category only
+    (float64 0-d + 0-d, times float32 s, is float32 in torch; cupylab said float64)."""
+    from cupylab import _promotion as P
+
+    for a, b, s in (("float64", "float64", "float32"), ("float64", "float16", "bfloat16"),
+                    ("int64", "int64", "int8"), ("float64", "float32", "float16")):
+        ta = torch.ones((), dtype=getattr(torch, a))
+        tb = torch.ones((), dtype=getattr(torch, b))
+        ts = torch.ones(3, dtype=getattr(torch, s))
+        want = ((ta + tb) * ts).dtype
+        got = P.resolve("torch", "fused_add_mul", (_tkey(a, True), _tkey(b, True), _tkey(s)))[1]
+        assert got.name == str(want).split(".")[1], (a, b, s)
+    # one dimensioned operand: (a + b) is dimensioned and promotes s as a tensor
+    got = P.resolve("torch", "fused_add_mul", (_tkey("float64"), _tkey("float64", True),
+                                               _tkey("float32")))[1]
+    assert got.name == "float64"
