@@ -58,7 +58,9 @@ class ElementwiseKernel:
     block : int
         Threads per block.
     type_names : dict, optional
-        dtype name → C spelling for ``{T}`` (e.g. ``{"float16": "my_half"}``).
+        dtype name → C spelling for ``{T}`` (e.g. ``{"float16": "my_half"}`` with
+        ``typedef __half my_half;`` in the source: an alias of a type cupylab knows; a
+        struct is refused as an array element, its size being unknown).
 
     Raises
     ------
