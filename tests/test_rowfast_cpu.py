@@ -181,6 +181,27 @@ def test_what_it_leaves_to_the_general_path(fake, case, monkeypatch):
     assert fake == [] and rf._plans == {}
 
 
+def test_a_misaligned_weight_bias_or_statistics_is_left_to_the_general_path(fake):
+    """Their addresses are not part of a plan's key: with a plan warm, a weight, bias or
+    statistics array whose address is not a multiple of its item size (a byte-offset CuPy
+    .view(), which the general path refuses) was launched on."""
+    x = Arr((4, 8))
+    rf.norm("layer_norm", x, None, Arr((8,)), Arr((8,)), 1e-6, False, False)
+    rf.norm_backward("layer_norm_backward", x, x, Arr((8,)), Arr((4,)), Arr((4,)))
+    n = len(fake)
+    odd = next(_ptrs) + 2
+    for r in (rf.norm("layer_norm", x, None, Arr((8,), ptr=odd), Arr((8,)), 1e-6, False, False),
+              rf.norm("layer_norm", x, None, Arr((8,)), Arr((8,), ptr=odd), 1e-6, False, False),
+              rf.norm_backward("layer_norm_backward", x, x, Arr((8,), ptr=odd), Arr((4,)),
+                               Arr((4,))),
+              rf.norm_backward("layer_norm_backward", x, x, Arr((8,)), Arr((4,), ptr=odd),
+                               Arr((4,))),
+              rf.norm_backward("layer_norm_backward", x, x, Arr((8,)), Arr((4,)),
+                               Arr((4,), ptr=odd))):
+        assert r is rf.MISS
+    assert len(fake) == n
+
+
 def test_an_inplace_residual_over_x_or_the_weight_is_left_to_the_general_path(fake):
     """h written into a residual that partly overlaps x or the weight is refused by the
     general path: the lean path must not launch it. An unaligned residual written in place

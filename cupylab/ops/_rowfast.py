@@ -186,7 +186,8 @@ def _weight(fw, tp, w, fdt, cols, dev):
     if type(w) is not tp:
         return None
     pw = fw[0](w)
-    if pw is None or pw[3] != dev or len(pw[1]) != 1 or pw[1][0] != cols:
+    if (pw is None or pw[3] != dev or len(pw[1]) != 1 or pw[1][0] != cols
+            or pw[2] % pw[0].itemsize):  # a byte-offset CuPy .view(): the general path refuses
         return None
     if pw[0] == fdt:
         return pw[2], 0, pw[0]
@@ -320,7 +321,7 @@ def softmax_backward(opname, y, dy):
 def _stats(fw, s, a, rows, dev):
     """Pointer of a statistics operand: ``a`` dtype, C-contiguous, ``rows`` values, or None."""
     ps = fw[0](s)
-    if ps is None or ps[0] != a or ps[3] != dev:
+    if ps is None or ps[0] != a or ps[3] != dev or ps[2] % a.itemsize:  # (misaligned view)
         return None
     return ps[2] if math.prod(ps[1]) == rows else None
 
