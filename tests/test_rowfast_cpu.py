@@ -181,6 +181,20 @@ def test_what_it_leaves_to_the_general_path(fake, case, monkeypatch):
     assert fake == [] and rf._plans == {}
 
 
+def test_an_eps_the_general_path_refuses_is_left_to_it(fake):
+    """eps=inf was launched (y all zeros) and an int eps past float's range raised
+    OverflowError after the outputs were allocated; the general path refuses both
+    (ValueError)."""
+    x = Arr((4, 8))
+    rf.norm("rms_norm", x, None, None, None, 1e-6, False, False)
+    n = len(fake)
+    for eps in (float("inf"), float("nan"), 10**400, True, -0.5):
+        assert rf.norm("rms_norm", x, None, None, None, eps, False, False) is rf.MISS
+    assert len(fake) == n
+    rf.norm("rms_norm", x, None, None, None, 3, False, False)  # an int eps: taken, as float
+    assert fake[-1][4][-2] == 3.0 and type(fake[-1][4][-2]) is float
+
+
 def test_a_misaligned_weight_bias_or_statistics_is_left_to_the_general_path(fake):
     """Their addresses are not part of a plan's key: with a plan warm, a weight, bias or
     statistics array whose address is not a multiple of its item size (a byte-offset CuPy

@@ -230,6 +230,22 @@ def test_an_inplace_residual_is_checked_as_an_output(sim):
     assert sim["launches"] == []
 
 
+def test_weights_and_targets_share_no_byte_with_an_output(sim):
+    """A one-row residual at the weight's address (inplace=True: h is stored before the
+    weight is read) and a target array partly inside grad_out (broadcast to the logits'
+    shape, only the target's first entry was compared) are refused."""
+    base = 0x7F01_F000_0000
+    w = FakeCAI((64,), ptr=base)
+    with pytest.raises(ValueError, match="add_rms_norm: residual overlaps weight"):
+        cupylab.add_rms_norm(FakeCAI((1, 64), ptr=base + 0x1000), FakeCAI((1, 64), ptr=base),
+                             w, inplace=True)
+    g = FakeCAI((4, 8), ptr=base + 0x10000)
+    t = FakeCAI((4,), typestr="<i8", ptr=base + 0x10000 - 16)  # entries 2, 3 in g's row 0
+    with pytest.raises(ValueError, match="cross_entropy: grad_out overlaps target"):
+        cupylab.cross_entropy(FakeCAI((4, 8), ptr=base + 0x20000), t, grad_out=g)
+    assert sim["launches"] == []
+
+
 def test_overlaps_itself():
     from cupylab._elementwise_core import overlaps_itself
 
@@ -505,3 +521,14 @@ def test_bench_rowwise_check_catches_results_below_atol():
         assert compare(got, y, idx, f16, rtol * s, atol * s, normwise=True) is None
         assert "as a whole" in compare(np.zeros_like(y), y, idx, f16, rtol * s, atol * s,
                                        normwise=True)
+
+
+def test_norm_rows_of_no_element_are_refused_before_any_allocation(sim, monkeypatch):
+    """rms_norm of (4, 0) allocated its outputs first: without a GPU the error was
+    NoGPUError, not the argument's ValueError."""
+    from cupylab.ops import _rowcore as rc
+
+    monkeypatch.setattr(rc, "new_array", lambda *a: pytest.fail("allocated before checking"))
+    for f in (cupylab.rms_norm, cupylab.layer_norm):
+        with pytest.raises(ValueError, match="the last axis of x is empty"):
+            f(FakeCAI((4, 0)), return_stats=True)

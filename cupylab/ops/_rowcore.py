@@ -17,8 +17,8 @@ import os
 import struct
 
 from .. import _arrays, _compile, _dtypes, _launch, _runtime
-from .._elementwise_core import (allocate, c_strides, check_overlap, coalesce, finish_output,
-                                 overlaps_itself, real_value)
+from .._elementwise_core import (_span, allocate, c_strides, check_overlap, coalesce,
+                                 finish_output, overlaps_itself, real_value)
 
 FLOATS = tuple(_dtypes.from_name(n) for n in ("float16", "bfloat16", "float32", "float64"))
 F32 = _dtypes.from_name("float32")
@@ -410,6 +410,21 @@ def overlap(opname, out, out_name, inputs):
     names = [n for n, v in inputs if v is not None]
     views = [v for _, v in inputs if v is not None]
     check_overlap(opname, out, out.shape, views, names, out_name)
+
+
+def disjoint(opname, out, out_name, inputs):
+    """``out`` must share no byte with any of ``inputs`` that are not elementwise partners
+    (weights, biases, targets: read across rows, or not of the rows' shape), each taken
+    with its own shape and strides (broadcast to the rows, a one-row weight looked like the
+    same view as a residual at its address)."""
+    ospan = _span(out, out.shape, out.strides)
+    if ospan is None:
+        return
+    for n, v in inputs:
+        sp = None if v is None else _span(v, v.shape, v.strides)
+        if sp is not None and sp[0] < ospan[1] and ospan[0] < sp[1]:
+            raise ValueError(f"{opname}: {out_name} overlaps {n} in memory; it must not "
+                             f"share memory with {n}")
 
 
 def new_array(c, shape, dt):

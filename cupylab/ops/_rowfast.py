@@ -27,6 +27,7 @@ from .._elementwise_core import _np_dtype_for
 from . import _rowcore as rc
 
 MISS = object()
+_INF = float("inf")
 
 _PLAN_CACHE_MAX = 1024
 _plans: dict = {}
@@ -205,7 +206,10 @@ def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
     """``rms_norm`` / ``layer_norm`` / ``add_rms_norm`` with ``out=None``, ``stream=None``:
     the result as the general path returns it, or :data:`MISS`."""
     try:
-        lead = _lead(x) if type(eps) in (float, int) and eps >= 0 else None
+        # a finite eps >= 0 (eps=inf, NaN or an int past float's range: the general path's
+        # errors; float() of a huge int raises here, inside the try)
+        fe = float(eps) if type(eps) in (float, int) else -1.0
+        lead = _lead(x) if 0.0 <= fe < _INF else None
         if lead is None:
             return MISS
         fw, tp, px = lead
@@ -260,7 +264,7 @@ def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
     except Exception:  # noqa: BLE001 - anything odd: the general path validates and explains
         return MISS
     plan.k.launch(dev, plan.grid, plan.block, stream,
-                  (py, ph, p0, p1, pw, pb, pm, ps, 0, 0, 0, 0, 0, *plan.tail, float(eps), 0.0),
+                  (py, ph, p0, p1, pw, pb, pm, ps, 0, 0, 0, 0, 0, *plan.tail, fe, 0.0),
                   shared_mem=plan.smem)
     res = (y,) if h is None else (y, h)
     if return_stats:

@@ -97,7 +97,10 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
         if grad_out is not None:
             gv, gobj = c.views["grad_out"], grad_out
             rc.check_out(op, "grad_out", gv, xv.shape, xv.dtype)
-            rc.overlap(op, gv, "grad_out", [("logits", xv), ("target", tv)])
+            rc.overlap(op, gv, "grad_out", [("logits", xv)])
+            # the targets are read by the row kernel and again by the reduction after it:
+            # no shared byte (broadcast to the logits' shape, only their first was compared)
+            rc.disjoint(op, gv, "grad_out", [("target", tv)])
         else:
             gobj, gv = rc.new_array(c, xv.shape, xv.dtype)
     lay = rc.row_layout(op, xv.shape, [xv, None, gv, None], -1, extra=(tv,))

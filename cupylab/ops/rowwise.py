@@ -173,6 +173,7 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
     rc.check_not_0d(opname, "x", xv)
     rc.check_eps(opname, eps)
     flags = rc.check_vectors(opname, {k: v[k] for k in ("weight", "bias") if k in v}, xv)
+    rc.check_columns(opname, xv.shape)  # before any output is allocated
     rv = v.get("residual")
     if rv is not None:
         rc.check_same(opname, "residual", rv, xv)
@@ -181,7 +182,10 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
                              "a writable residual")
         if inplace:  # h is written into it: an output's rules
             rc.check_out(opname, "residual", rv, xv.shape, xv.dtype)
-            rc.overlap(opname, rv, "residual", [("x", xv), ("weight", v.get("weight")),
+            rc.overlap(opname, rv, "residual", [("x", xv)])
+            # h is stored before the weight is read: no shared byte at all (a one-row
+            # residual at the weight's address passed as "exactly in place")
+            rc.disjoint(opname, rv, "residual", [("weight", v.get("weight")),
                                                  ("bias", v.get("bias"))])
     if out is not None:
         ov = v["out"]
@@ -211,7 +215,6 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
         if opname == "layer_norm":
             mean_obj, mv = rc.new_array(c, lead, a)
         rstd_obj, sv = rc.new_array(c, lead, a)
-    rc.check_columns(opname, xv.shape)
     if lay.rows:
         ptrs = {"in0": xv.ptr, "in1": rv.ptr if rv is not None else 0, "out0": ov.ptr,
                 "out1": hv.ptr if hv is not None else 0,
