@@ -28,9 +28,15 @@ def _compile_one(args):
     (variant, op, names, extra), cc = args
     types = tuple(_dtypes.from_name(n) for n in names)
     k = ew.kernel(variant, op, types, tuple(extra))
-    before = _compile.stats["compiled"]
-    _compile.compile_program(k.program, cc)
-    return _compile.stats["compiled"] - before
+    return _counted(_compile, k.program, cc)
+
+
+def _counted(_compile, program, cc):
+    """``(compiled, compiled but not stored)`` for one program (0 or 1 each)."""
+    before = dict(_compile.stats)
+    _compile.compile_program(program, cc)
+    return (_compile.stats["compiled"] - before["compiled"],
+            _compile.stats["not_stored"] - before["not_stored"])
 
 
 def _call(item):
@@ -42,10 +48,7 @@ def _compile_program(args):
     from cupylab import _compile  # noqa: PLC0415
 
     family, i, cc = args
-    p = _FAMILIES[family]()[i]
-    before = _compile.stats["compiled"]
-    _compile.compile_program(p, cc)
-    return _compile.stats["compiled"] - before
+    return _counted(_compile, _FAMILIES[family]()[i], cc)
 
 
 def _rowwise_programs():
@@ -137,12 +140,20 @@ def precompile(argv):
     t0 = time.perf_counter()
     if a.jobs > 1 and len(todo) > 1:
         with ProcessPoolExecutor(a.jobs) as ex:
-            compiled = sum(ex.map(_call, todo, chunksize=4))
+            counts = list(ex.map(_call, todo, chunksize=4))
     else:
-        compiled = sum(_call(x) for x in todo)
+        counts = [_call(x) for x in todo]
+    compiled = sum(c for c, _ in counts)
+    lost = sum(n for _, n in counts)
     dt = time.perf_counter() - t0
     print(f"cupylab precompile: {len(todo)} kernel instances for sm_{a.arch}: {compiled} "
           f"compiled, {len(todo) - compiled} already cached, {dt:.1f} s, into {_compile.cache_dir()}")
+    if lost:
+        print(f"cupylab precompile: {lost} of the {compiled} compiled could not be stored in "
+              f"{_compile.cache_dir()} (no space or quota, a read-only or untrusted directory, "
+              "or a header edited while compiling); they will be compiled again when used",
+              file=sys.stderr)
+        return 1
     return 0
 
 

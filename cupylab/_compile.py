@@ -40,13 +40,66 @@ __all__ = ["Program", "cuda_src_dir", "cache_dir", "compile_program", "nvrtc_ver
 _FORMAT = 2  # bump when the entry layout changes (2: the key stored in the entry)
 _MAGIC = b"CLBIN\x00"
 _HEADER = struct.Struct("<6sHI")  # magic, format, metadata length
-# --no-source-include: NVRTC would search the source's folder first, which for a program
-# given as a string (or as a bare file name) is the process's working directory: a header
-# there would shadow the intended one and escape the cache key. Only the include folders
-# given (and hashed) are searched.
-_DEFAULT_OPTIONS = ("--std=c++17", "--no-source-include")
+_DEFAULT_OPTIONS = ("--std=c++17",)
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
+# an include named by a macro (#include CFG): which file it is depends on the options and
+# the preprocessor, so no key can name it; such a program is not kept in the disk cache
+_OPAQUE_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[A-Za-z_]', re.M)
+
+
+def option_paths(options):
+    """``(include folders, pre-included headers)`` named in NVRTC ``options`` (``-I``,
+    ``--include-path``, ``-include``, ``--pre-include``, joined or as the next option)."""
+    dirs, pre = [], []
+    opts = list(options)
+    for i, o in enumerate(opts):
+        nxt = opts[i + 1] if i + 1 < len(opts) else None
+        for flags, out in ((("-I", "--include-path"), dirs), (("-include", "--pre-include"),
+                                                              pre)):
+            for flag in flags:
+                if o == flag and nxt is not None:
+                    out.append(nxt)
+                elif o.startswith(flag + "=") or (flag == "-I" and o.startswith("-I")
+                                                  and len(o) > 2):
+                    out.append(o[len(flag) + (1 if o.startswith(flag + "=") else 0):])
+    return tuple(dirs), tuple(pre)
+
+
+def find_headers(source, source_dir, dirs, pre=()):
+    """The headers NVRTC reads for ``source``, found as it finds them: ``#include "x"`` in the
+    including file's own folder first (``source_dir`` for the source itself), then in
+    ``dirs`` in command-line order; ``#include <x>`` in ``dirs`` only. Returns
+    ``(headers, opaque)``: ``headers`` a list of ``(name as included, Path, bytes)``, each
+    file once, in the order met; ``opaque`` is True when some ``#include`` names its file
+    through a macro. Headers found in none of these folders (the toolkit's, which NVRTC
+    supplies) are left out."""
+    seen, out = set(), []
+    opaque = False
+
+    def walk(text, here):
+        nonlocal opaque
+        if _OPAQUE_INCLUDE_RE.search(text):
+            opaque = True
+        for kind, inc in _INCLUDE_RE.findall(text):
+            find(inc, here if kind == '"' else None)
+
+    def find(inc, here):
+        for d in ((here,) if here is not None else ()) + tuple(dirs):
+            p = Path(d) / inc
+            if p.is_file():
+                rp = p.resolve()
+                if rp not in seen:
+                    seen.add(rp)
+                    body = p.read_bytes()
+                    out.append((inc, p, body))
+                    walk(body.decode("utf-8", "replace"), str(p.parent))
+                return
+
+    for inc in pre:
+        find(inc, source_dir)
+    walk(source, source_dir)
+    return out, opaque
 
 
 def cuda_src_dir() -> Path:
@@ -97,8 +150,13 @@ def target_for(cc: int) -> tuple:
     if cc in archs:
         return f"-arch=sm_{cc}", "cubin"
     older = [a for a in archs if a <= cc]
-    best = max(older) if older else min(archs)
-    return f"-arch=compute_{best}", "ptx"
+    if not older:  # PTX for a newer arch would not load on this GPU
+        v = ".".join(map(str, nvrtc_version()))
+        raise CompileError(
+            f"this NVRTC ({v}) cannot compile for compute capability {cc // 10}.{cc % 10}: the "
+            f"oldest architecture it targets is sm_{min(archs)}; install the NVRTC of an older "
+            "CUDA (the cuda12 extra for GPUs older than sm_75)", log="", filename="")
+    return f"-arch=compute_{max(older)}", "ptx"
 
 
 class Program:
@@ -115,78 +173,67 @@ class Program:
     options : sequence of str
         Extra NVRTC options (``--std=c++17`` is always added first).
     include_dirs : sequence of path
-        Directories searched for ``#include``; the source's own directory comes first.
+        Directories searched for ``#include`` (``-I``, after those ``options`` name).
+    source_dir : path, optional
+        The source's own folder, searched first for its ``#include "..."``: the program is
+        named ``source_dir/basename(filename)`` for NVRTC. Default: ``filename``'s folder
+        as NVRTC takes it (the working directory for a bare name such as ``"<string>"``).
+        Each header's own folder is searched first for the quoted includes it makes.
     """
 
-    def __init__(self, source, filename, name_expressions, options=(), include_dirs=()):
+    def __init__(self, source, filename, name_expressions, options=(), include_dirs=(),
+                 source_dir=None):
         self.source = source
         self.filename = filename
         self.name_expressions = tuple(name_expressions)
         self.options = _DEFAULT_OPTIONS + tuple(o for o in options if o not in _DEFAULT_OPTIONS)
         self.include_dirs = tuple(str(Path(d)) for d in include_dirs)
+        # the name NVRTC is given: its folder is where it looks first for the source's
+        # quoted includes (and what __FILE__ says)
+        self.nvrtc_name = (os.path.join(str(source_dir), os.path.basename(filename))
+                           if source_dir is not None else filename)
 
     @classmethod
     def from_file(cls, path, name_expressions, options=(), include_dirs=()):
         path = Path(path)
         return cls(path.read_text(), path.name, name_expressions, options,
-                   (str(path.parent),) + tuple(include_dirs))
+                   (str(path.parent),) + tuple(include_dirs), source_dir=str(path.parent))
 
     def _include_options(self):
         return tuple(f"-I{d}" for d in self.include_dirs)
 
-    def _option_paths(self):
-        """``(include folders, pre-included headers)`` named in the options (``-I``,
-        ``--include-path``, ``-include``, ``--pre-include``, joined or as the next option)."""
-        dirs, pre = [], []
-        opts = list(self.options)
-        for i, o in enumerate(opts):
-            nxt = opts[i + 1] if i + 1 < len(opts) else None
-            for flags, out in ((("-I", "--include-path"), dirs), (("-include", "--pre-include"),
-                                                                  pre)):
-                for flag in flags:
-                    if o == flag and nxt is not None:
-                        out.append(nxt)
-                    elif o.startswith(flag + "=") or (flag == "-I" and o.startswith("-I")
-                                                      and len(o) > 2):
-                        out.append(o[len(flag) + (1 if o.startswith(flag + "=") else 0):])
-        return tuple(dirs), tuple(pre)
+    def headers(self):
+        """``(headers, opaque)`` of :func:`find_headers` for this program, in NVRTC's search
+        order: the source's folder, the folders the options name, then ``include_dirs``."""
+        opt_dirs, pre = option_paths(self.options)
+        return find_headers(self.source, os.path.dirname(self.nvrtc_name) or ".",
+                            opt_dirs + self.include_dirs, pre)
 
     def headers_digest(self) -> str:
         """SHA-256 over every header reachable through ``#include`` from the source (and the
-        headers the options pre-include), found in the include directories and those the
-        options name. Read again for each key, so that a header edited between two compiles
-        is never stored under its old contents' key. Headers NVRTC supplies itself, e.g.
-        ``<cuda_fp16.h>`` from the toolkit, are keyed through the NVRTC version instead."""
-        opt_dirs, pre = self._option_paths()
-        dirs = self.include_dirs + opt_dirs
+        headers the options pre-include), as NVRTC finds them (:meth:`headers`), their bytes
+        as stored. Read again for each key, so that a header edited between two compiles is
+        never stored under its old contents' key. Headers NVRTC supplies itself, e.g.
+        ``<cuda_fp16.h>`` from the toolkit, are keyed through the NVRTC version instead.
+        ``""`` when an include is named by a macro (no key can name its file)."""
+        found, opaque = self.headers()
+        if opaque:
+            return ""
         h = hashlib.sha256()
-        seen = set()
-
-        def walk(text, here):
-            for _, inc in _INCLUDE_RE.findall(text):
-                find(inc, here)
-
-        def find(inc, here):
-            for d in ((here,) if here else ()) + dirs:
-                p = Path(d) / inc
-                if p.is_file():
-                    rp = str(p.resolve())
-                    if rp not in seen:
-                        seen.add(rp)
-                        body = p.read_text(errors="replace")
-                        h.update(inc.encode() + b"\0" + body.encode() + b"\0")
-                        walk(body, str(p.parent))
-                    return
-
-        for inc in pre:
-            find(inc, None)
-        walk(self.source, None)
+        for inc, p, body in found:
+            h.update(inc.encode() + b"\0" + str(p).encode() + b"\0" + body + b"\0")
         return h.hexdigest()
 
-    def key(self, arch_option: str, nvrtc_ver: tuple) -> str:
+    def key(self, arch_option: str, nvrtc_ver: tuple):
+        """The disk cache key, or None when the program cannot be keyed (an include named
+        by a macro): it is then compiled every time."""
+        digest = self.headers_digest()
+        if not digest:
+            return None
         h = hashlib.sha256()
-        for part in (str(_FORMAT), self.source, self.headers_digest(), "\0".join(self.options),
-                     arch_option, "\0".join(self.name_expressions), repr(nvrtc_ver)):
+        for part in (str(_FORMAT), self.source, self.nvrtc_name, digest,
+                     "\0".join(self.options), arch_option,
+                     "\0".join(self.name_expressions), repr(nvrtc_ver)):
             h.update(part.encode())
             h.update(b"\x1f")
         return h.hexdigest()
@@ -220,7 +267,7 @@ class Program:
             With the NVRTC log, which names the file and line of each error.
         """
         nvrtc = _nvrtc()
-        prog = nvrtc.createProgram(self.source, self.filename, (), ())
+        prog = nvrtc.createProgram(self.source, self.nvrtc_name, (), ())
         try:
             for n in self.name_expressions:
                 nvrtc.addNameExpression(prog, n)
@@ -258,7 +305,9 @@ def complete_elf(b: bytes) -> bytes:
 # A cubin in the cache is code this process will run, so the cache is trusted only when nobody
 # else can write it: the directory is created private to the user (0700), and a directory or
 # entry owned by another user, or writable by group or others, is never read or written
-# (warned about once per path; the kernel is compiled instead).
+# (warned about once per path; the kernel is compiled instead). The directory is checked
+# through an open descriptor and entries are opened relative to it, never through a symlink
+# and only as regular files, so a path swapped after the check is never what is read.
 _warned: set = set()
 
 
@@ -324,50 +373,115 @@ def _unpack_entry(blob: bytes, key: str = ""):
         return None
 
 
+_POSIX_FDS = os.name == "posix" and all(
+    hasattr(os, f) for f in ("O_DIRECTORY", "O_NOFOLLOW", "O_NONBLOCK"))
+
+
+def _open_dir(d):
+    """A file descriptor of the cache directory ``d``, checked through the descriptor (so
+    that a path swapped after the check is never what is read or written); None when it is
+    not trusted (warned once)."""
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    st = os.fstat(fd)
+    if not _trusted(st):
+        os.close(fd)
+        _distrust(d, st, "directory")
+        return None
+    return fd
+
+
 def load_entry(key: str):
-    """Read a cache entry; ``None`` when absent, truncated, corrupt or not trusted."""
+    """Read a cache entry; ``None`` when absent, truncated, corrupt or not trusted. The
+    entry is opened relative to the checked directory, without following a symlink and
+    without blocking (a FIFO in its place), and read only when it is a regular file that
+    nobody else can write."""
     d = trusted_cache_dir()
     if d is None:
         return None
-    path = _entry_path(key, d)
+    name = _entry_path(key, d).name
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not _trusted(st):
-                _distrust(path, st, "entry")
+        if not _POSIX_FDS:
+            with open(d / name, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not _trusted(st):
+                    _distrust(d / name, st, "entry")
+                    return None
+                blob = f.read()
+        else:
+            dfd = _open_dir(d)
+            if dfd is None:
                 return None
-            blob = f.read()
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    return None
+                if not _trusted(st):
+                    _distrust(d / name, st, "entry")
+                    return None
+                blob = f.read()
     except OSError:
         return None
     return _unpack_entry(blob, key)
 
 
-def store_entry(key: str, binary: bytes, mapping: dict, kind: str) -> None:
-    """Write an entry atomically (temporary file in the same directory, then rename).
-    Failure to write (read-only home, full disk) only costs a recompile next time."""
+def store_entry(key: str, binary: bytes, mapping: dict, kind: str) -> bool:
+    """Write an entry atomically (a new private file in the checked directory, then rename);
+    True when stored. Failure to write (read-only home, full disk, an untrusted directory)
+    only costs a recompile next time."""
     d = trusted_cache_dir()
     if d is None:
-        return
+        return False
+    name = _entry_path(key, d).name
+    blob = _pack_entry(binary, mapping, kind, key)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=d)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_pack_entry(binary, mapping, kind, key))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, _entry_path(key, d))
-        except BaseException:
+        if not _POSIX_FDS:
+            fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=d)
             try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blob)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, d / name)
+            except BaseException:
+                _unlink(tmp, None)
+                raise
+            return True
+        dfd = _open_dir(d)
+        if dfd is None:
+            return False
+        try:
+            tmp = f".{key[:16]}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                         dir_fd=dfd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blob)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                _unlink(tmp, dfd)
+                raise
+        finally:
+            os.close(dfd)
+        return True
+    except OSError:
+        return False
+
+
+def _unlink(path, dir_fd):
+    try:
+        os.unlink(path, dir_fd=dir_fd)
     except OSError:
         pass
 
 
 #: Counters for tests and the bench CLI: how programs were obtained in this process.
-stats = {"compiled": 0, "disk_hits": 0, "memory_hits": 0}
+stats = {"compiled": 0, "disk_hits": 0, "memory_hits": 0, "not_stored": 0}
 
 
 def compile_program(program: Program, cc: int):
@@ -377,16 +491,21 @@ def compile_program(program: Program, cc: int):
     kernel instance for sm_75, sm_80 and sm_90.
     """
     arch_option, kind = target_for(cc)
-    key = program.key(arch_option, nvrtc_version())
-    if _cache_enabled():
+    nv = nvrtc_version()
+    key = program.key(arch_option, nv)
+    cached = _cache_enabled() and key is not None
+    if cached:
         hit = load_entry(key)
         if hit is not None and set(hit[1]) == set(program.name_expressions):
             stats["disk_hits"] += 1
             return hit[0], hit[1], hit[2], key
     binary, mapping = program.compile(arch_option, kind)
     stats["compiled"] += 1
-    if _cache_enabled():
-        store_entry(key, binary, mapping, kind)
+    if cached:
+        # the headers are read again: one edited while NVRTC compiled (a checkout, an editor)
+        # may be what this binary holds, so it is not stored under the old contents' key
+        if program.key(arch_option, nv) != key or not store_entry(key, binary, mapping, kind):
+            stats["not_stored"] += 1
     return binary, mapping, kind, key
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import threading
 from pathlib import Path
 
@@ -78,29 +77,14 @@ def cuda_include_dir():
     return found
 
 
-_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
-
-
-def _user_headers(source, here, include_dirs):
+def _user_headers(source, here, options, include_dirs):
     """``(path, text)`` of every header reachable from ``source`` through the user's include
-    directories (not the CUDA toolkit's), for the kernel scanner."""
-    seen, out = set(), []
-
-    def walk(text, cur):
-        for inc in _INCLUDE_RE.findall(text):
-            for d in ((cur,) if cur else ()) + tuple(include_dirs):
-                p = Path(d) / inc
-                if p.is_file():
-                    rp = p.resolve()
-                    if rp not in seen:
-                        seen.add(rp)
-                        body = p.read_text(errors="replace")
-                        out.append((str(p), body))
-                        walk(body, str(p.parent))
-                    break
-
-    walk(source, here)
-    return out
+    folders (not the CUDA toolkit's), found as NVRTC finds them
+    (:func:`cupylab._compile.find_headers`: the includer's folder first for quoted includes,
+    then the folders ``options`` name, then ``include_dirs``), for the kernel scanner."""
+    opt_dirs, pre = _compile.option_paths(options)
+    found, _ = _compile.find_headers(source, here or ".", opt_dirs + tuple(include_dirs), pre)
+    return [(str(p), body.decode("utf-8", "replace")) for _, p, body in found]
 
 
 class KernelModule:
@@ -163,7 +147,7 @@ class KernelModule:
                                           user_dirs else ())
         self._struct_formats = dict(struct_formats or {})
         decls, aliases = _scan(source, filename)
-        for hpath, htext in _user_headers(source, here, inc):
+        for hpath, htext in _user_headers(source, here, self._options, user_dirs):
             hd, ha = _scan(htext, hpath)
             decls = hd + decls
             for k, v in ha.items():
@@ -203,8 +187,9 @@ class KernelModule:
         for nm in self._declared:  # declared signatures name kernels that exist
             if nm not in exprs:
                 exprs.append(nm)
+        self._here = here
         self.program = _compile.Program(source, filename, exprs, self._options,
-                                        self._include_dirs)
+                                        self._include_dirs, source_dir=here)
         self._programs = {}
         self._kernels = {}
         self._lock = threading.Lock()
@@ -360,7 +345,8 @@ class KernelModule:
         p = self._programs.get(expr)
         if p is None:
             p = self._programs[expr] = _compile.Program(
-                self.source, self.filename, [expr], self._options, self._include_dirs)
+                self.source, self.filename, [expr], self._options, self._include_dirs,
+                source_dir=self._here)
         return p
 
     def compile(self, cc=None):
@@ -417,11 +403,14 @@ def load_kernels(path=None, *, source=None, name_expressions=(), options=(), inc
         Extra NVRTC options (``"-DBLOCK=256"``, ``"--use_fast_math"``). ``--std=c++17`` is
         always given.
     include_dirs : sequence of path
-        Searched for ``#include`` after the file's own directory. The CUDA toolkit's include
-        directory (:func:`cuda_include_dir`) is appended when one is found, so
+        Searched for ``#include`` after the including file's own folder (for quoted
+        includes) and the folders ``-I`` options name, as NVRTC searches. The CUDA toolkit's
+        include directory (:func:`cuda_include_dir`) is appended when one is found, so
         ``<cuda_fp16.h>`` works as in CuPy.
     filename : str, optional
-        Name NVRTC uses in messages; default: ``path`` as given, or ``"<string>"``.
+        Name NVRTC uses in messages; default: ``path`` as given, or ``"<string>"``. For
+        ``source=``, its folder (the working directory for a bare name) is the source's own
+        folder, searched first for its quoted includes.
     signatures : dict, optional
         Kernel name (or instance) → declared signature (``"(const float* x, int n)"``),
         overriding the scanner — for kernels made by macros or declarations it cannot read.
@@ -486,7 +475,8 @@ def load_kernels(path=None, *, source=None, name_expressions=(), options=(), inc
     sf_key = tuple(sorted((str(k), v) for k, v in (struct_formats or {}).items()))
     probe = _compile.Program(source, filename, (), options,
                              ((here,) if here else ()) + include_dirs
-                             + ((cuda_include_dir(),) if cuda_include_dir() else ()))
+                             + ((cuda_include_dir(),) if cuda_include_dir() else ()),
+                             source_dir=here)
     key = (source, filename, name_expressions, options, include_dirs, here,
            probe.headers_digest(), sig_key, sf_key)
     try:

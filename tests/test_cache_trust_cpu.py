@@ -83,3 +83,47 @@ def test_a_symlink_to_someone_elses_directory_is_judged_by_its_target(cache, tmp
     with pytest.warns(RuntimeWarning, match="kernel cache directory"):
         _compile.compile_program(_prog(), 90)
     assert not list(target.glob("*.clbin"))  # nothing written there either
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX descriptors")
+def test_an_entry_is_a_regular_file_in_the_checked_directory(cache, tmp_path):
+    """An entry is opened relative to the directory that was checked, without following a
+    symlink and without blocking: a FIFO in an entry's place hung the compile; a symlink
+    could be repointed between the check and the read."""
+    _compile.compile_program(_prog(), 90)
+    (entry,) = cache.glob("*.clbin")
+    good = tmp_path / "good.clbin"
+    entry.rename(good)
+    entry.symlink_to(good)  # a valid entry, behind a symlink
+    before = _counts()
+    _compile.compile_program(_prog(), 90)
+    assert _compile.stats["disk_hits"] == before["disk_hits"]
+    entry.unlink()
+    os.mkfifo(entry)  # nobody will ever write to it
+    done = []
+    t = __import__("threading").Thread(
+        target=lambda: done.append(_compile.load_entry(entry.name[:-len(".clbin")])),
+        daemon=True)
+    t.start()
+    t.join(10)
+    assert done == [None]
+    entry.unlink()
+    _compile.compile_program(_prog(), 90)  # stored again, as a regular file
+    assert entry.is_file() and not entry.is_symlink()
+    assert not list(cache.glob(".*.tmp"))
+
+
+def test_precompile_says_when_nothing_could_be_stored(cache, monkeypatch, capsys):
+    """A full disk, quota or read-only cache: precompile printed "N compiled ... into DIR"
+    and exited 0 with the directory empty."""
+    from cupylab import __main__ as cli
+
+    monkeypatch.setitem(cli._FAMILIES, "tiny", lambda: [_prog()])
+    args = ["precompile", "--arch", "90", "--families", "tiny", "--jobs", "1"]
+    assert cli.main(args) == 0
+    assert "1 compiled" in capsys.readouterr().out
+    for e in cache.glob("*.clbin"):
+        e.unlink()
+    monkeypatch.setattr(_compile, "store_entry", lambda *a: False)
+    assert cli.main(args) == 1
+    assert "1 of the 1 compiled could not be stored" in capsys.readouterr().err

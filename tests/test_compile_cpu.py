@@ -83,9 +83,9 @@ def test_header_change_recompiles(cache, program):
 
 def test_the_key_follows_every_header_nvrtc_can_read(cache, program, tmp_path, monkeypatch):
     """Headers reached through -I / --include-path options and pre-included ones are hashed;
-    a header edited after a program's first key changes its next key (it was kept); the
-    working directory is never searched (NVRTC searched it for a string source, outside the
-    key)."""
+    a header edited after a program's first key changes its next key (it was kept); a
+    string source's own folder is the working directory, as NVRTC takes it, and a header
+    found there is hashed too."""
     make, inc = program
     k = lambda p: p.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
     p = make()
@@ -108,8 +108,105 @@ def test_the_key_follows_every_header_nvrtc_can_read(cache, program, tmp_path, m
     (other / "pre.h").write_text("#define PRE 2\n")
     assert k(q) != before
     monkeypatch.chdir(inc)  # helper.cuh in the working directory only
-    with pytest.raises(CompileError, match="helper.cuh"):
-        _compile.compile_program(_compile.Program(SRC, "<string>", ["twice<float>"]), 90)
+    q = _compile.Program(SRC, "<string>", ["twice<float>"])
+    _compile.compile_program(q, 90)
+    before = k(q)
+    (inc / "helper.cuh").write_text("template <typename T> __device__ T helper_scale() { return T(5); }\n")
+    assert k(q) != before
+
+
+def _tree(root, files):
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return root
+
+
+def test_a_header_includes_one_beside_it_as_nvrtc_finds_it(cache, tmp_path):
+    """#include "b.h" in lib/a.h finds lib/b.h (the includer's folder first, as NVRTC looks
+    by default; --no-source-include had turned that off: "cannot open source file"), before
+    a b.h in an include folder, and the key follows the file NVRTC reads."""
+    from cupylab.kernels import load_kernels
+
+    root = _tree(tmp_path, {
+        "proj/k.cu": '#include "lib/a.h"\nextern "C" __global__ void k(int* x) { x[0] = B; }\n',
+        "proj/lib/a.h": '#include "b.h"\n',
+        "proj/lib/b.h": "constexpr int B = 1;\n",
+        "inc/b.h": 'static_assert(false, "the include folder\'s b.h");\n'})
+    m = load_kernels(root / "proj" / "k.cu", include_dirs=[root / "inc"])
+    m.compile(90)
+    p = _compile.Program.from_file(root / "proj" / "k.cu", ["k"], include_dirs=[root / "inc"])
+    k = lambda: p.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
+    before = k()
+    (root / "inc" / "b.h").write_text("constexpr int B = 3;\n")  # not what NVRTC reads
+    assert k() == before
+    (root / "proj" / "lib" / "b.h").write_text("constexpr int B = 2;\n")
+    assert k() != before
+
+
+def test_the_key_searches_option_folders_before_include_dirs(cache, tmp_path):
+    """NVRTC searches the folders -I options name before include_dirs (they follow the
+    options on its command line): the key hashed include_dirs' copy first, so an edit of the
+    header NVRTC compiled kept the old key and loaded the old binary."""
+    root = _tree(tmp_path, {"opt/cfg.h": "constexpr int V = 1;\n",
+                            "dirs/cfg.h": "constexpr int V = 100;\n"})
+    src = '#include <cfg.h>\nextern "C" __global__ void k(int* x) { x[0] = V; }\n'
+    p = _compile.Program(src, "k.cu", ["k"], [f"-I{root / 'opt'}"], [root / "dirs"])
+    k = lambda: p.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
+    before = k()
+    (root / "dirs" / "cfg.h").write_text("constexpr int V = 200;\n")
+    assert k() == before
+    (root / "opt" / "cfg.h").write_text("constexpr int V = 2;\n")
+    assert k() != before
+
+
+def test_headers_are_hashed_as_bytes_and_macro_includes_are_not_cached(cache, tmp_path):
+    """A header edited between two non-UTF-8 characters kept its key (the text was decoded
+    with replacement characters); an #include named by a macro cannot be keyed, so that
+    program is compiled every time and never stored."""
+    root = _tree(tmp_path, {"inc/l1.h": b"// caf\xe9\nconstexpr int L = 1;\n",
+                            "inc/cfg.h": "constexpr int V = 1;\n"})
+    src = '#include "l1.h"\nextern "C" __global__ void k(int* x) { x[0] = L; }\n'
+    p = _compile.Program(src, "k.cu", ["k"], include_dirs=[root / "inc"])
+    k = lambda q: q.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
+    before = k(p)
+    (root / "inc" / "l1.h").write_bytes(b"// caf\xe8\nconstexpr int L = 1;\n")
+    assert k(p) != before
+    msrc = '#include CFG\nextern "C" __global__ void k(int* x) { x[0] = V; }\n'
+    q = _compile.Program(msrc, "k.cu", ["k"], ['-DCFG="cfg.h"'], [root / "inc"])
+    assert k(q) is None
+    n = dict(_compile.stats)
+    _compile.compile_program(q, 90)
+    _compile.compile_program(q, 90)
+    assert _compile.stats["compiled"] - n["compiled"] == 2 and _entries(cache) == []
+
+
+def test_a_header_edited_while_nvrtc_compiles_is_not_stored_under_the_old_key(
+        cache, program, monkeypatch):
+    make, inc = program
+    p = make()
+    real = _compile.Program.compile
+
+    def compile_while_editing(self, *a):
+        r = real(self, *a)
+        (inc / "helper.cuh").write_text(
+            "template <typename T> __device__ T helper_scale() { return T(9); }\n")
+        return r
+
+    monkeypatch.setattr(_compile.Program, "compile", compile_while_editing)
+    n = dict(_compile.stats)
+    _compile.compile_program(p, 90)
+    assert _entries(cache) == [] and _compile.stats["not_stored"] == n["not_stored"] + 1
+
+
+def test_a_gpu_older_than_every_arch_nvrtc_knows_is_a_clear_error(monkeypatch):
+    """PTX for the oldest arch NVRTC knows would not load on an older GPU (a driver error
+    at load): the compile says which NVRTC is needed."""
+    monkeypatch.setattr(_compile, "supported_archs", lambda: (75, 80, 90))
+    with pytest.raises(CompileError, match="cannot compile for compute capability 7.0"):
+        _compile.target_for(70)
+    assert _compile.target_for(87) == ("-arch=compute_80", "ptx")
 
 
 def test_an_entry_under_another_keys_name_is_not_loaded(cache, program):
