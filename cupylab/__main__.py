@@ -80,7 +80,7 @@ def _list(text):
 
 
 def precompile(argv):
-    from cupylab import _compile, _dtypes  # noqa: PLC0415
+    from cupylab import CompileError, _compile, _dtypes  # noqa: PLC0415
     from cupylab.ops import elementwise as ew  # noqa: PLC0415
 
     p = argparse.ArgumentParser(prog="python -m cupylab precompile",
@@ -122,6 +122,10 @@ def precompile(argv):
     # the cache the compiled kernels go to: enabled, creatable and trusted, or nothing to do
     if not _compile._cache_enabled():
         p.error("the kernel cache is disabled (CUPYLAB_CACHE_DISABLE): nothing would be kept")
+    try:  # a GPU older than every arch this NVRTC targets: one clear line, not per worker
+        _compile.target_for(a.arch)
+    except CompileError as e:
+        p.error(str(e))
     if _compile.trusted_cache_dir() is None:
         p.error(f"the kernel cache directory {_compile.cache_dir()} cannot be created or is "
                 "not private to this user (see the warning above); set CUPYLAB_CACHE_DIR")

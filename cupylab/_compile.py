@@ -45,7 +45,8 @@ _DEFAULT_OPTIONS = ("--std=c++17",)
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
 # an include named by a macro (#include CFG): which file it is depends on the options and
 # the preprocessor, so no key can name it; such a program is not kept in the disk cache
-_OPAQUE_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[A-Za-z_]', re.M)
+# (whitespace after "include": not #include_next)
+_OPAQUE_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+[A-Za-z_]', re.M)
 
 
 def option_paths(options):
@@ -66,20 +67,23 @@ def option_paths(options):
     return tuple(dirs), tuple(pre)
 
 
-def find_headers(source, source_dir, dirs, pre=()):
+def find_headers(source, source_dir, dirs, pre=(), system_dirs=()):
     """The headers NVRTC reads for ``source``, found as it finds them: ``#include "x"`` in the
     including file's own folder first (``source_dir`` for the source itself), then in
-    ``dirs`` in command-line order; ``#include <x>`` in ``dirs`` only. Returns
-    ``(headers, opaque)``: ``headers`` a list of ``(name as included, Path, bytes)``, each
-    file once, in the order met; ``opaque`` is True when some ``#include`` names its file
-    through a macro. Headers found in none of these folders (the toolkit's, which NVRTC
-    supplies) are left out."""
+    ``dirs`` in command-line order; ``#include <x>`` in ``dirs`` only; a pre-included
+    header (``-include x``) in the working directory, then ``dirs``. Returns ``(headers,
+    opaque)``: ``headers`` a list of ``(name as included, Path, bytes)``, each file once, in
+    the order met; ``opaque`` is True when some ``#include`` outside ``system_dirs`` (the
+    CUDA toolkit's folder, whose headers change with the toolkit only: thrust names its
+    includes through macros) names its file through a macro. Headers found in none of these
+    folders (those NVRTC supplies) are left out."""
     seen, out = set(), []
     opaque = False
+    system = tuple(str(Path(d).resolve()) for d in system_dirs)
 
-    def walk(text, here):
+    def walk(text, here, own):
         nonlocal opaque
-        if _OPAQUE_INCLUDE_RE.search(text):
+        if own and _OPAQUE_INCLUDE_RE.search(text):
             opaque = True
         for kind, inc in _INCLUDE_RE.findall(text):
             find(inc, here if kind == '"' else None)
@@ -93,12 +97,13 @@ def find_headers(source, source_dir, dirs, pre=()):
                     seen.add(rp)
                     body = p.read_bytes()
                     out.append((inc, p, body))
-                    walk(body.decode("utf-8", "replace"), str(p.parent))
+                    own = not any(str(rp).startswith(sd + os.sep) for sd in system)
+                    walk(body.decode("utf-8", "replace"), str(p.parent), own)
                 return
 
     for inc in pre:
-        find(inc, source_dir)
-    walk(source, source_dir)
+        find(inc, ".")
+    walk(source, source_dir, True)
     return out, opaque
 
 
@@ -182,7 +187,7 @@ class Program:
     """
 
     def __init__(self, source, filename, name_expressions, options=(), include_dirs=(),
-                 source_dir=None):
+                 source_dir=None, system_dirs=()):
         self.source = source
         self.filename = filename
         self.name_expressions = tuple(name_expressions)
@@ -192,6 +197,7 @@ class Program:
         # quoted includes (and what __FILE__ says)
         self.nvrtc_name = (os.path.join(str(source_dir), os.path.basename(filename))
                            if source_dir is not None else filename)
+        self.system_dirs = tuple(str(d) for d in system_dirs)
 
     @classmethod
     def from_file(cls, path, name_expressions, options=(), include_dirs=()):
@@ -207,12 +213,13 @@ class Program:
         order: the source's folder, the folders the options name, then ``include_dirs``."""
         opt_dirs, pre = option_paths(self.options)
         return find_headers(self.source, os.path.dirname(self.nvrtc_name) or ".",
-                            opt_dirs + self.include_dirs, pre)
+                            opt_dirs + self.include_dirs, pre, self.system_dirs)
 
     def headers_digest(self) -> str:
         """SHA-256 over every header reachable through ``#include`` from the source (and the
-        headers the options pre-include), as NVRTC finds them (:meth:`headers`), their bytes
-        as stored. Read again for each key, so that a header edited between two compiles is
+        headers the options pre-include), as NVRTC finds them (:meth:`headers`): the name
+        each is included by and its bytes as stored (not where it lies: a tree installed or
+        checked out in two places keys alike). Read again for each key, so that a header edited between two compiles is
         never stored under its old contents' key. Headers NVRTC supplies itself, e.g.
         ``<cuda_fp16.h>`` from the toolkit, are keyed through the NVRTC version instead.
         ``""`` when an include is named by a macro (no key can name its file)."""
@@ -220,8 +227,8 @@ class Program:
         if opaque:
             return ""
         h = hashlib.sha256()
-        for inc, p, body in found:
-            h.update(inc.encode() + b"\0" + str(p).encode() + b"\0" + body + b"\0")
+        for inc, _, body in found:
+            h.update(inc.encode() + b"\0" + body + b"\0")
         return h.hexdigest()
 
     def key(self, arch_option: str, nvrtc_ver: tuple):
@@ -231,7 +238,8 @@ class Program:
         if not digest:
             return None
         h = hashlib.sha256()
-        for part in (str(_FORMAT), self.source, self.nvrtc_name, digest,
+        # the program's file name, not its folder (which headers are found is in the digest)
+        for part in (str(_FORMAT), self.source, os.path.basename(self.nvrtc_name), digest,
                      "\0".join(self.options), arch_option,
                      "\0".join(self.name_expressions), repr(nvrtc_ver)):
             h.update(part.encode())
@@ -373,8 +381,9 @@ def _unpack_entry(blob: bytes, key: str = ""):
         return None
 
 
-_POSIX_FDS = os.name == "posix" and all(
-    hasattr(os, f) for f in ("O_DIRECTORY", "O_NOFOLLOW", "O_NONBLOCK"))
+_POSIX_FDS = (os.name == "posix" and os.open in os.supports_dir_fd
+              and os.rename in os.supports_dir_fd and os.unlink in os.supports_dir_fd
+              and all(hasattr(os, f) for f in ("O_DIRECTORY", "O_NOFOLLOW", "O_NONBLOCK")))
 
 
 def _open_dir(d):

@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
 
-from . import _dtypes, _runtime
+from . import _arrays, _dtypes, _runtime
 
 __all__ = ["is_dask", "any_dask", "elementwise", "view"]
 
@@ -180,7 +181,7 @@ def elementwise(name, promo_op, fn, operands, names, out, dtype, casting, stream
                 raise TypeError(f"{name}: {nm} must be a Dask array, a GPU array or a scalar "
                                 f"beside Dask arrays (got {type(a).__module__}."
                                 f"{type(a).__qualname__})")
-            a = _as_dask(a)  # a GPU array beside Dask arrays: one chunk, aligned by Dask
+            a = _as_dask(a, f"{name}: {nm}")  # beside Dask arrays: one chunk, aligned by Dask
         views.append(view(name, nm, a))
         args += [a, tuple(range(a.ndim))[::-1]]
     # the eager operator's checks: promotion (and casts), the scalars, broadcasting
@@ -261,7 +262,8 @@ def rowwise(name, fn, arrays, axis, kwargs, out, stream, refuse=()):
         rc.check_columns(name, rv.shape)
     lead = next(a for _, a in arrays if is_dask(a))
     nd = lead.ndim
-    ops = [_whole_rows(name, pname, _as_dask(a), axis) for pname, a in arrays]
+    ops = [_whole_rows(name, pname, _as_dask(a, f"{name}: {pname}"), axis)
+           for pname, a in arrays]
     # map_blocks pairs blocks by position: give every operand the chunks of the first Dask one
     # (lead, made whole along the row axis), so that the rows of y and dy meet in one task
     ref = ops[next(i for i, (_, a) in enumerate(arrays) if a is lead)].chunks
@@ -301,7 +303,7 @@ def cross_entropy(fn, logits, target, ignore_index, label_smoothing, reduction, 
     xv = view(name, "logits", logits)
     check_arrays(name, xv, view(name, "target", target))
     rc.check_columns(name, xv.shape, "logits has no classes")
-    x, t = _as_dask(logits), _as_dask(target)
+    x, t = _as_dask(logits, f"{name}: logits"), _as_dask(target, f"{name}: target")
     nd = x.ndim
     x = _whole_rows(name, "logits", x, nd - 1)
     t = t.rechunk(x.chunks[:-1])
@@ -323,37 +325,31 @@ def _ce_call(fn, ignore_index, label_smoothing, logits, target):
               reduction="none")
 
 
-def _as_dask(a):
+def _as_dask(a, what="operand"):
     """``a`` (checked by :func:`view`) as a Dask array: itself, or a one-chunk Dask array of
-    a GPU array (a bare ``__cuda_array_interface__`` object wrapped as a CuPy array first,
-    zero-copy). An array whose dtype is not a NumPy one (a torch tensor) goes into the graph
-    as it is, the Dask array declaring the NumPy dtype of the same name and a NumPy meta
-    (Dask's ``from_array`` cannot read a torch dtype); the chunk calls get the tensor."""
+    a GPU array. A bare ``__cuda_array_interface__`` object and a torch tensor are wrapped as
+    CuPy arrays first (zero-copy), so that Dask's own operations on them (a comparison and a
+    sum of cross-entropy's targets) work as on CuPy chunks; a torch tensor in host memory or
+    one that requires grad is refused as the eager operators refuse it."""
     if is_dask(a):
         return a
-    if not hasattr(a, "shape"):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        if not a.is_cuda:
+            raise _arrays._host_error(what, a)
+        if a.requires_grad:
+            raise TypeError(f"{what} is a torch tensor that requires grad; cupylab kernels "
+                            "are not recorded by autograd. Pass tensor.detach()")
+        a = _runtime.cupy().asarray(a)
+    elif not hasattr(a, "shape"):
         a = _runtime.cupy().asarray(a)
     import dask.array as da  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
-    shape = tuple(a.shape)
-    if isinstance(a.dtype, np.dtype):
-        # name=False: a random key; Dask's default hashes the data, which copies a CuPy array
-        # to the host
-        return da.from_array(a, chunks=shape, asarray=False, name=False,
-                             meta=meta_from_array(a, ndim=len(shape)))
-    import uuid  # noqa: PLC0415
-
-    from dask.highlevelgraph import HighLevelGraph  # noqa: PLC0415
-
-    from ._elementwise_core import _np_dtype_for  # noqa: PLC0415
-
-    npdt = np.dtype(_np_dtype_for(_dtypes.resolve(a.dtype)))
-    key = f"cupylab-operand-{uuid.uuid4().hex}"
-    graph = HighLevelGraph.from_collections(key, {(key,) + (0,) * len(shape): a}, ())
-    return da.Array(graph, key, tuple((n,) for n in shape), dtype=npdt,
-                    meta=np.empty((0,) * len(shape), npdt))
+    # name=False: a random key; Dask's default hashes the data, which copies a CuPy array to
+    # the host
+    return da.from_array(a, chunks=tuple(a.shape), asarray=False, name=False,
+                         meta=meta_from_array(a, ndim=len(a.shape)))
 
 
 def _np_float32():
@@ -405,9 +401,9 @@ def norm_backward(name, fn, dy, x, weight, stats, stream, weight_grad=True):
         chunks = _whole_rows(name, "dy" if lead is dy else "x", lead, nd - 1).chunks
     else:
         chunks = next(a for _, a in stats if is_dask(a)).chunks + ((xv.shape[-1],),)
-    xd = _whole_rows(name, "x", _as_dask(x), nd - 1).rechunk(chunks)
-    dyd = _whole_rows(name, "dy", _as_dask(dy), nd - 1).rechunk(chunks)
-    st = [_as_dask(a).rechunk(chunks[:-1]) for _, a in stats]
+    xd = _whole_rows(name, "x", _as_dask(x, f"{name}: x"), nd - 1).rechunk(chunks)
+    dyd = _whole_rows(name, "dy", _as_dask(dy, f"{name}: dy"), nd - 1).rechunk(chunks)
+    st = [_as_dask(a, f"{name}: {pn}").rechunk(chunks[:-1]) for pn, a in stats]
     rows = tuple(range(nd - 1))
     full = rows + (nd - 1,)
     args = [dyd, full, xd, full]

@@ -196,7 +196,8 @@ for _d in DTYPES.values():
             _BY_TYPESTR[_d.typestr.replace("|", "<")] = _d
             _BY_TYPESTR[_d.typestr.replace("|", "=")] = _d
 _BY_DLPACK = {d.dlpack: d for d in DTYPES.values()}
-_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16",
+# "float" is NumPy's word for float64 (np.dtype("float"), dtype=float); C's float is "fp32"
+_ALIASES = {"half": "float16", "float": "float64", "double": "float64", "bf16": "bfloat16",
             "fp16": "float16", "fp32": "float32", "fp64": "float64", "f16": "float16",
             "f32": "float32", "f64": "float64", "i32": "int32", "i64": "int64", "int": "int64"}
 
@@ -243,8 +244,6 @@ def resolve(dtype) -> DType:
     if isinstance(dtype, type) and dtype in _PY_TYPES:
         return DTYPES[_PY_TYPES[dtype]]
     if isinstance(dtype, str):
-        if dtype == "float":  # NumPy's word for float64, as dtype=float (C's float: "fp32")
-            return DTYPES["float64"]
         name = dtype[6:] if dtype.startswith("torch.") else dtype
         if name not in DTYPES and name not in _ALIASES:
             try:

@@ -77,13 +77,13 @@ def cuda_include_dir():
     return found
 
 
-def _user_headers(source, here, options, include_dirs):
+def _user_headers(source, here, options, include_dirs):  # here: the source's own folder
     """``(path, text)`` of every header reachable from ``source`` through the user's include
     folders (not the CUDA toolkit's), found as NVRTC finds them
     (:func:`cupylab._compile.find_headers`: the includer's folder first for quoted includes,
     then the folders ``options`` name, then ``include_dirs``), for the kernel scanner."""
     opt_dirs, pre = _compile.option_paths(options)
-    found, _ = _compile.find_headers(source, here or ".", opt_dirs + tuple(include_dirs), pre)
+    found, _ = _compile.find_headers(source, here, opt_dirs + tuple(include_dirs), pre)
     return [(str(p), body.decode("utf-8", "replace")) for _, p, body in found]
 
 
@@ -145,9 +145,14 @@ class KernelModule:
         cuda_inc = cuda_include_dir()
         self._include_dirs = user_dirs + ((cuda_inc,) if cuda_inc and cuda_inc not in
                                           user_dirs else ())
+        self._system_dirs = (cuda_inc,) if cuda_inc else ()
+        self._here = here
+        # the source's own folder as NVRTC takes it (Program.nvrtc_name's): the file's, or
+        # for a source string filename='s (the working directory for a bare name)
+        src_dir = here if here else (os.path.dirname(filename) or ".")
         self._struct_formats = dict(struct_formats or {})
         decls, aliases = _scan(source, filename)
-        for hpath, htext in _user_headers(source, here, self._options, user_dirs):
+        for hpath, htext in _user_headers(source, src_dir, self._options, user_dirs):
             hd, ha = _scan(htext, hpath)
             decls = hd + decls
             for k, v in ha.items():
@@ -187,9 +192,9 @@ class KernelModule:
         for nm in self._declared:  # declared signatures name kernels that exist
             if nm not in exprs:
                 exprs.append(nm)
-        self._here = here
         self.program = _compile.Program(source, filename, exprs, self._options,
-                                        self._include_dirs, source_dir=here)
+                                        self._include_dirs, source_dir=here,
+                                        system_dirs=self._system_dirs)
         self._programs = {}
         self._kernels = {}
         self._lock = threading.Lock()
@@ -346,7 +351,7 @@ class KernelModule:
         if p is None:
             p = self._programs[expr] = _compile.Program(
                 self.source, self.filename, [expr], self._options, self._include_dirs,
-                source_dir=self._here)
+                source_dir=self._here, system_dirs=self._system_dirs)
         return p
 
     def compile(self, cc=None):
@@ -476,7 +481,8 @@ def load_kernels(path=None, *, source=None, name_expressions=(), options=(), inc
     probe = _compile.Program(source, filename, (), options,
                              ((here,) if here else ()) + include_dirs
                              + ((cuda_include_dir(),) if cuda_include_dir() else ()),
-                             source_dir=here)
+                             source_dir=here,
+                             system_dirs=(cuda_include_dir(),) if cuda_include_dir() else ())
     key = (source, filename, name_expressions, options, include_dirs, here,
            probe.headers_digest(), sig_key, sf_key)
     try:

@@ -392,3 +392,74 @@ def test_ptxas_report_counts_registers_and_spills():
     broken = _compile.Program(src.replace("s += ", "s += undeclared + "), "hold.cu", ["hold<2>"])
     with pytest.raises(CompileError, match=r"hold\.cu\(\d+\).*undeclared"):
         mod.report(broken, "sm_90")
+
+
+def test_the_signature_scanner_reads_the_headers_nvrtc_compiles(cache, tmp_path, monkeypatch):
+    """A source string named kern/k.cu: NVRTC looks in kern/ first for its quoted includes,
+    and so does the scanner (it read ./types.h: the scalar was packed as a double for a
+    kernel compiled with float)."""
+    from conftest import FakeCAI
+    from cupylab.kernels import load_kernels
+
+    _tree(tmp_path, {"kern/types.h": "typedef float real;\n",
+                     "types.h": "typedef double real;\n"})
+    monkeypatch.chdir(tmp_path)
+    src = '#include "types.h"\nextern "C" __global__ void k(real* x, real a, int n) {}\n'
+    m = load_kernels(source=src, filename="kern/k.cu")
+    assert m["k"].signature.params[1].dtype.name == "float32"
+    m["k"].pack(FakeCAI((8,), "<f4"), 2.0, 8)
+
+
+def test_keys_do_not_depend_on_where_the_tree_lies(cache, tmp_path):
+    """The same sources and headers in two folders (two venvs, two cluster nodes sharing a
+    cache) key alike: the key holds each header's include name and bytes and the program's
+    file name, not their folders."""
+    files = {"k.cu": '#include "lib/a.h"\nextern "C" __global__ void k(int* x) { x[0] = A; }\n',
+             "lib/a.h": "constexpr int A = 1;\n"}
+    keys = []
+    for where in ("one", "two"):
+        root = _tree(tmp_path / where, files)
+        p = _compile.Program.from_file(root / "k.cu", ["k"])
+        keys.append(p.key(_compile.target_for(90)[0], _compile.nvrtc_version()))
+    assert keys[0] == keys[1]
+
+
+def test_pre_included_headers_are_found_where_nvrtc_finds_them(cache, tmp_path, monkeypatch):
+    """-include pre.h: NVRTC looks in the working directory, then the -I folders, never in the
+    source's folder; the key hashed the source folder's pre.h while NVRTC compiled another."""
+    root = _tree(tmp_path, {"src/k.cu": 'extern "C" __global__ void k(int* x) { x[0] = PRE; }\n',
+                            "src/pre.h": "#define PRE 1\n", "inc/pre.h": "#define PRE 2\n"})
+    monkeypatch.chdir(root)
+    p = _compile.Program.from_file(root / "src" / "k.cu", ["k"],
+                                   ["-include", "pre.h", f"-I{root / 'inc'}"])
+    k = lambda: p.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
+    before = k()
+    (root / "src" / "pre.h").write_text("#define PRE 3\n")
+    assert k() == before
+    (root / "inc" / "pre.h").write_text("#define PRE 4\n")
+    assert k() != before
+
+
+def test_macro_includes_in_the_toolkits_headers_keep_a_program_cached(cache, tmp_path):
+    """thrust names its includes through macros: headers found in the CUDA toolkit's folder
+    (system_dirs) are hashed but do not make the program unkeyable (every program including
+    cub or thrust was compiled in every process); the user's own macro include does."""
+    root = _tree(tmp_path, {"cuda/include/thr.h": "#include THRUST_DETAIL(x)\n#include_next <y>\n",
+                            "inc/mine.h": "#include CFG\n"})
+    sysd = root / "cuda" / "include"
+    src = '#include <thr.h>\nextern "C" __global__ void k(int* x) {}\n'
+    p = _compile.Program(src, "k.cu", ["k"], include_dirs=[sysd], system_dirs=[sysd])
+    assert p.key(_compile.target_for(90)[0], _compile.nvrtc_version()) is not None
+    q = _compile.Program('#include "mine.h"\n', "k.cu", [], include_dirs=[root / "inc"])
+    assert q.key(_compile.target_for(90)[0], _compile.nvrtc_version()) is None
+
+
+def test_precompile_for_an_arch_older_than_nvrtc_targets_is_one_clear_error(cache, monkeypatch,
+                                                                           capsys):
+    from cupylab import __main__ as cli
+
+    monkeypatch.setattr(_compile, "supported_archs", lambda: (75, 80, 90))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["precompile", "--arch", "sm_70", "--jobs", "1"])
+    assert e.value.code == 2
+    assert "cannot compile for compute capability 7.0" in capsys.readouterr().err

@@ -624,19 +624,30 @@ def test_a_bare_cuda_array_interface_operand_beside_dask_arrays(numpy_chunks, mo
     assert y.shape == h.shape == (8, 6)
 
 
-def test_a_torch_tensor_beside_dask_arrays_goes_to_the_chunks_as_it_is(numpy_chunks):
-    """Dask's from_array cannot read a torch dtype (TypeError while building the graph): the
-    tensor becomes a one-chunk Dask array declaring the NumPy dtype of the same name, and the
-    chunk calls get the tensor itself."""
+def test_a_torch_tensor_beside_dask_arrays_is_taken_as_a_cupy_view(numpy_chunks, monkeypatch):
+    """Dask's from_array cannot read a torch dtype (TypeError while building the graph): a
+    CUDA tensor goes in as a zero-copy CuPy array, so that Dask's own operations on it (the
+    targets' count of cross-entropy's "mean") work as on CuPy chunks; a host tensor or one
+    that requires grad is refused as the eager operators refuse it."""
     torch = pytest.importorskip("torch")
-    t = torch.full((6,), 2.0)
-    d = _dask._as_dask(t)
-    assert d.dtype == np.float32 and d.shape == (6,) and d.chunks == ((6,),)
-    (block,) = d.__dask_graph__().values()
-    assert block is t
+    from cupylab import _runtime
+
+    class CudaLike(torch.Tensor):  # a CPU tensor that says it lives on the GPU
+        is_cuda = property(lambda self: True)
+
+    wrapped = []
+
+    def asarray(a):
+        wrapped.append(a)
+        return np.asarray(a.detach().numpy()).view(Chunk)
+
+    monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(asarray=asarray))
+    t = torch.full((6,), 2.0).as_subclass(CudaLike)
     x = chunked(np.ones((8, 6), np.float32), (4, 3))
     z = cupylab.add(x, t)
-    assert z.shape == (8, 6) and z.dtype == np.float32
+    assert wrapped == [t] and z.shape == (8, 6) and z.dtype == np.float32
     np.testing.assert_array_equal(np.asarray(z.compute(scheduler="sync")), np.full((8, 6), 3.0))
-    tb = _dask._as_dask(torch.ones(3, dtype=torch.bfloat16))
-    assert tb.dtype.name == "bfloat16"
+    with pytest.raises(TypeError, match="add: x2 must be a CUDA device array.*host data"):
+        cupylab.add(x, torch.ones(6))
+    with pytest.raises(TypeError, match="add: x2 is a torch tensor that requires grad"):
+        cupylab.add(x, torch.ones(6, requires_grad=True).as_subclass(CudaLike))

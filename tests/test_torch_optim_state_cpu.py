@@ -212,3 +212,41 @@ def test_an_optimizer_deep_copied_steps_on_its_own_state(rec):
     assert type(twin.state) is _optim_state.State and twin.state._v is not opt.state._v
     opt.step()
     assert len(builds) == 1
+    tp = list(twin.param_groups[0]["params"])
+    for p in tp:
+        p.grad = torch.ones_like(p)
+    twin.step()  # torch's __getstate__ drops the tables: AttributeError on _cl_seen
+    assert len(builds) == 2
+    assert launches[-1][0].lists["params"] == [p.data_ptr() for p in tp]
+    assert float(twin.state[tp[0]]["step"]) == 2.0 and float(opt.state[ps[0]]["step"]) == 2.0
+    back = pickle.loads(pickle.dumps(twin))
+    for p in back.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    back.step()
+    assert len(builds) == 3
+
+
+def test_sgd_deep_copied_keeps_its_first_step_rules(rec):
+    O, builds, launches = rec
+    a = torch.nn.Parameter(torch.ones(3))
+    opt = O.SGD([a], lr=0.1, momentum=0.9, dampening=0.5)
+    twin = copy.deepcopy(opt)
+    for p in twin.param_groups[0]["params"]:
+        p.grad = torch.ones(3)
+    twin.step()
+    assert launches[-1][1]["first_step"] is True
+
+
+def test_copies_and_unions_of_the_state_are_mappings_of_their_own(rec):
+    O, builds, _ = rec
+    ps, opt = _adam(O)
+    opt.step()
+    for other in (copy.copy(opt.state), opt.state.copy(), opt.state | {}, {} | opt.state):
+        assert type(other) is _optim_state.State and set(other) == set(opt.state)
+        assert all(other[p] is opt.state[p] for p in ps)  # shallow: the same dicts
+        other.clear()  # the copy's own mapping: nothing the optimizer holds changed
+    opt.step()
+    assert len(builds) == 1
+    extra = torch.nn.Parameter(torch.ones(2))
+    u = opt.state | {extra: {"step": torch.tensor(1.0)}}
+    assert type(u[extra]) is _optim_state.ParamState and extra not in opt.state

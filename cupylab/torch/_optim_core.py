@@ -79,6 +79,25 @@ class _Fused:
         for g in self.param_groups:
             g.setdefault("master_weights", bool(master_weights))
 
+    def __setstate__(self, state):
+        """Unpickled or deep-copied (torch's ``__getstate__`` keeps only the defaults, state
+        and groups): the launch tables and step bookkeeping start empty, the state counted.
+        (torch's ``load_state_dict`` calls this too, on a live optimizer: nothing is reset
+        then, the tables a captured graph points into stay kept.)"""
+        super().__setstate__(state)
+        if hasattr(self, "_cl_plans"):
+            return
+        self._cl_plans = {}
+        self._cl_captured = []
+        self._cl_seen = None
+        self.state = tracked(self.state)
+        # loaded master copies are checked at their next step, as after load_state_dict
+        self._cl_unsettled = {p for p, st in self.state.items() if st}
+        self._cl_restore()
+
+    def _cl_restore(self):
+        """An optimizer's own bookkeeping after unpickling (none here; SGD's first steps)."""
+
     def _cl_check_group(self, group):
         """Refuse a param group (a dict) before it joins: the optimizer's own checks of the
         hyper-parameters it sets (none here; Adam's amsgrad, Lion's values)."""

@@ -81,8 +81,31 @@ class State(defaultdict):
     def __reduce__(self):
         return (State, (self._v, list(self.items())))
 
-    def copy(self):  # defaultdict.copy would call State(default_factory, self)
-        return State(self._v, self.items())
+    def copy(self):
+        """A shallow copy (the same per-parameter dicts, whose changes still count for the
+        optimizer), counting apart for its own mapping; defaultdict's copy, ``copy.copy``
+        and ``|`` would call ``State(default_factory, mapping)``."""
+        new = State(Version())
+        for k, v in self.items():
+            dict.__setitem__(new, k, v)
+        return new
+
+    __copy__ = copy
+
+    def __or__(self, other):
+        if not isinstance(other, dict):
+            return NotImplemented
+        new = self.copy()
+        new.update(other)
+        return new
+
+    def __ror__(self, other):
+        if not isinstance(other, dict):
+            return NotImplemented
+        new = State(Version(), other.items())
+        for k, v in self.items():
+            dict.__setitem__(new, k, v)
+        return new
 
     def __missing__(self, key):
         v = self.default_factory()

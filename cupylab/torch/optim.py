@@ -304,6 +304,9 @@ class SGD(_Fused, torch.optim.SGD):
         self._cl_setup(master_weights)
         self._cl_first = {}
 
+    def _cl_restore(self):
+        self._cl_first = {}
+
     def _cl_layout(self, group):  # with momentum, the table holds the buffers
         return super()._cl_layout(group), group["momentum"] != 0
 
