@@ -45,8 +45,9 @@ _DEFAULT_OPTIONS = ("--std=c++17",)
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
 # an include named by a macro (#include CFG): which file it is depends on the options and
 # the preprocessor, so no key can name it; such a program is not kept in the disk cache
-# (whitespace after "include": not #include_next)
-_OPAQUE_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+[A-Za-z_]', re.M)
+# the same for #include_next, whose file the search below does not follow; in the CUDA
+# toolkit's headers neither makes a program unkeyable (see find_headers)
+_OPAQUE_INCLUDE_RE = re.compile(r'^\s*#\s*include(?:_next\b|\s+[A-Za-z_])', re.M)
 
 
 def option_paths(options):

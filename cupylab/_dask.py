@@ -303,7 +303,8 @@ def cross_entropy(fn, logits, target, ignore_index, label_smoothing, reduction, 
     xv = view(name, "logits", logits)
     check_arrays(name, xv, view(name, "target", target))
     rc.check_columns(name, xv.shape, "logits has no classes")
-    x, t = _as_dask(logits, f"{name}: logits"), _as_dask(target, f"{name}: target")
+    x = _as_dask(logits, f"{name}: logits")
+    t = _as_dask(target, f"{name}: target", view=True)  # Dask counts the rows not ignored
     nd = x.ndim
     x = _whole_rows(name, "logits", x, nd - 1)
     t = t.rechunk(x.chunks[:-1])
@@ -325,14 +326,20 @@ def _ce_call(fn, ignore_index, label_smoothing, logits, target):
               reduction="none")
 
 
-def _as_dask(a, what="operand"):
+def _as_dask(a, what="operand", view=False):
     """``a`` (checked by :func:`view`) as a Dask array: itself, or a one-chunk Dask array of
-    a GPU array. A bare ``__cuda_array_interface__`` object and a torch tensor are wrapped as
-    CuPy arrays first (zero-copy), so that Dask's own operations on them (a comparison and a
-    sum of cross-entropy's targets) work as on CuPy chunks; a torch tensor in host memory or
-    one that requires grad is refused as the eager operators refuse it."""
+    a GPU array (a bare ``__cuda_array_interface__`` object wrapped as a CuPy array first,
+    zero-copy). A torch tensor in host memory or one that requires grad is refused as the
+    eager operators refuse it; otherwise it goes into the graph as it is (the chunk calls
+    get the tensor and check it as the eager operators do: lazy conj/neg bits, layout),
+    the Dask array declaring the NumPy dtype of the same name (Dask's ``from_array``
+    cannot read a torch dtype) and a NumPy meta; with ``view`` (integer targets, on which
+    Dask's own operations run) as a zero-copy CuPy array instead."""
     if is_dask(a):
         return a
+    import dask.array as da  # noqa: PLC0415
+    from dask.array.utils import meta_from_array  # noqa: PLC0415
+
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(a, torch.Tensor):
         if not a.is_cuda:
@@ -340,16 +347,35 @@ def _as_dask(a, what="operand"):
         if a.requires_grad:
             raise TypeError(f"{what} is a torch tensor that requires grad; cupylab kernels "
                             "are not recorded by autograd. Pass tensor.detach()")
-        a = _runtime.cupy().asarray(a)
+        if view:
+            a = _runtime.cupy().asarray(a)
+        else:
+            return _one_chunk(a)
     elif not hasattr(a, "shape"):
         a = _runtime.cupy().asarray(a)
-    import dask.array as da  # noqa: PLC0415
-    from dask.array.utils import meta_from_array  # noqa: PLC0415
-
     # name=False: a random key; Dask's default hashes the data, which copies a CuPy array to
     # the host
     return da.from_array(a, chunks=tuple(a.shape), asarray=False, name=False,
                          meta=meta_from_array(a, ndim=len(a.shape)))
+
+
+def _one_chunk(a):
+    """A one-chunk Dask array whose only block is ``a`` itself (a torch tensor), declaring
+    the NumPy dtype of ``a``'s dtype name and a NumPy meta."""
+    import uuid  # noqa: PLC0415
+
+    import dask.array as da  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from dask.highlevelgraph import HighLevelGraph  # noqa: PLC0415
+
+    from ._elementwise_core import _np_dtype_for  # noqa: PLC0415
+
+    shape = tuple(a.shape)
+    npdt = np.dtype(_np_dtype_for(_dtypes.resolve(a.dtype)))
+    key = f"cupylab-operand-{uuid.uuid4().hex}"
+    graph = HighLevelGraph.from_collections(key, {(key,) + (0,) * len(shape): a}, ())
+    return da.Array(graph, key, tuple((n,) for n in shape), dtype=npdt,
+                    meta=np.empty((0,) * len(shape), npdt))
 
 
 def _np_float32():

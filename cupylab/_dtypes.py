@@ -202,6 +202,13 @@ _ALIASES = {"half": "float16", "float": "float64", "double": "float64", "bf16": 
             "f32": "float32", "f64": "float64", "i32": "int32", "i64": "int64", "int": "int64"}
 
 
+# torch's dtype aliases, which differ from NumPy's words ("torch.float" is float32,
+# "torch.int" int32)
+_TORCH_WORDS = {"float": "float32", "double": "float64", "half": "float16", "int": "int32",
+                "long": "int64", "short": "int16", "cfloat": "complex64",
+                "cdouble": "complex128"}
+
+
 def from_name(name: str) -> DType:
     """Look a dtype up by canonical name or common alias (``"fp32"``, ``"bf16"``)."""
     key = _ALIASES.get(name, name)
@@ -244,7 +251,10 @@ def resolve(dtype) -> DType:
     if isinstance(dtype, type) and dtype in _PY_TYPES:
         return DTYPES[_PY_TYPES[dtype]]
     if isinstance(dtype, str):
-        name = dtype[6:] if dtype.startswith("torch.") else dtype
+        if dtype.startswith("torch."):  # torch's own words: torch.float is float32
+            name = _TORCH_WORDS.get(dtype[6:], dtype[6:])
+        else:
+            name = dtype
         if name not in DTYPES and name not in _ALIASES:
             try:
                 import numpy as np  # noqa: PLC0415

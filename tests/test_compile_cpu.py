@@ -452,6 +452,10 @@ def test_macro_includes_in_the_toolkits_headers_keep_a_program_cached(cache, tmp
     assert p.key(_compile.target_for(90)[0], _compile.nvrtc_version()) is not None
     q = _compile.Program('#include "mine.h"\n', "k.cu", [], include_dirs=[root / "inc"])
     assert q.key(_compile.target_for(90)[0], _compile.nvrtc_version()) is None
+    # #include_next in the user's own header: its file is not followed, so not keyable
+    (root / "inc" / "next.h").write_text("#include_next <next.h>\n")
+    r = _compile.Program('#include "next.h"\n', "k.cu", [], include_dirs=[root / "inc"])
+    assert r.key(_compile.target_for(90)[0], _compile.nvrtc_version()) is None
 
 
 def test_precompile_for_an_arch_older_than_nvrtc_targets_is_one_clear_error(cache, monkeypatch,

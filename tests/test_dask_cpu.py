@@ -624,30 +624,56 @@ def test_a_bare_cuda_array_interface_operand_beside_dask_arrays(numpy_chunks, mo
     assert y.shape == h.shape == (8, 6)
 
 
-def test_a_torch_tensor_beside_dask_arrays_is_taken_as_a_cupy_view(numpy_chunks, monkeypatch):
+class _CudaLike:
+    """A torch.Tensor subclass whose instances say they live on the GPU (made lazily)."""
+    cls = None
+
+    @classmethod
+    def make(cls, torch, t):
+        if cls.cls is None:
+            cls.cls = type("CudaLike", (torch.Tensor,), {"is_cuda": property(lambda s: True)})
+        return t.as_subclass(cls.cls)
+
+
+def test_a_torch_tensor_beside_dask_arrays_goes_to_the_chunks_as_it_is(numpy_chunks):
     """Dask's from_array cannot read a torch dtype (TypeError while building the graph): a
-    CUDA tensor goes in as a zero-copy CuPy array, so that Dask's own operations on it (the
-    targets' count of cross-entropy's "mean") work as on CuPy chunks; a host tensor or one
-    that requires grad is refused as the eager operators refuse it."""
+    CUDA tensor becomes a one-chunk Dask array declaring the NumPy dtype of the same name,
+    handed to the chunk calls as it is (they check conj/neg bits and layout as the eager
+    operators do; a bfloat16 tensor has no CuPy view); a host tensor or one that requires
+    grad is refused at once, as the eager operators refuse it."""
     torch = pytest.importorskip("torch")
-    from cupylab import _runtime
-
-    class CudaLike(torch.Tensor):  # a CPU tensor that says it lives on the GPU
-        is_cuda = property(lambda self: True)
-
-    wrapped = []
-
-    def asarray(a):
-        wrapped.append(a)
-        return np.asarray(a.detach().numpy()).view(Chunk)
-
-    monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(asarray=asarray))
-    t = torch.full((6,), 2.0).as_subclass(CudaLike)
+    t = _CudaLike.make(torch, torch.full((6,), 2.0))
+    d = _dask._as_dask(t)
+    assert d.dtype == np.float32 and d.chunks == ((6,),)
+    (block,) = d.__dask_graph__().values()
+    assert block is t
     x = chunked(np.ones((8, 6), np.float32), (4, 3))
     z = cupylab.add(x, t)
-    assert wrapped == [t] and z.shape == (8, 6) and z.dtype == np.float32
+    assert z.shape == (8, 6) and z.dtype == np.float32
     np.testing.assert_array_equal(np.asarray(z.compute(scheduler="sync")), np.full((8, 6), 3.0))
+    assert _dask._as_dask(_CudaLike.make(torch, torch.ones(3, dtype=torch.bfloat16))
+                          ).dtype.name == "bfloat16"
     with pytest.raises(TypeError, match="add: x2 must be a CUDA device array.*host data"):
         cupylab.add(x, torch.ones(6))
     with pytest.raises(TypeError, match="add: x2 is a torch tensor that requires grad"):
-        cupylab.add(x, torch.ones(6, requires_grad=True).as_subclass(CudaLike))
+        cupylab.add(x, _CudaLike.make(torch, torch.ones(6, requires_grad=True)))
+
+
+def test_torch_targets_beside_dask_logits_are_counted_by_dask(numpy_ce, monkeypatch):
+    """"mean" counts the rows not ignored with Dask's own operations on the targets: a torch
+    target goes in as a zero-copy CuPy view (Dask called Tensor.sum with NumPy arguments)."""
+    torch = pytest.importorskip("torch")
+    from cupylab import _runtime
+
+    monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(
+        asarray=lambda a: np.asarray(a.detach().numpy()).view(Chunk)))
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((8, 5)).astype(np.float32)
+    t = np.array([0, 1, -100, 3, 4, 0, 1, 2])
+    got = cupylab.cross_entropy(chunked(x, (4, 5)), _CudaLike.make(torch, torch.from_numpy(t)))
+    x64 = x.astype(np.float64)
+    lse = np.log(np.exp(x64).sum(-1))
+    row = lse - np.take_along_axis(x64, t.clip(0)[:, None], -1)[:, 0]
+    row[t == -100] = 0
+    np.testing.assert_allclose(np.asarray(got.compute(scheduler="sync")), row.sum() / 7,
+                               rtol=1e-5)

@@ -482,6 +482,9 @@ def test_dtype_keyword_reads_python_types_and_numpy_spellings_as_numpy_does():
     assert _dtypes.resolve(int).name == "int64" and _dtypes.resolve(bool).name == "bool"
     assert _dtypes.resolve("f8").name == _dtypes.resolve("d").name == "float64"
     assert _dtypes.resolve("float").name == "float64"  # np.dtype("float"); it was float32
+    assert _dtypes.resolve("torch.float").name == "float32"  # torch's words are torch's
+    assert _dtypes.resolve("torch.int").name == "int32"
+    assert _dtypes.resolve("torch.long").name == "int64"
     assert _dtypes.resolve("i4").name == "int32"
     with pytest.raises(TypeError, match="unknown dtype 'nonsense'"):
         _dtypes.resolve("nonsense")

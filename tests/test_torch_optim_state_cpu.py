@@ -237,16 +237,26 @@ def test_sgd_deep_copied_keeps_its_first_step_rules(rec):
     assert launches[-1][1]["first_step"] is True
 
 
-def test_copies_and_unions_of_the_state_are_mappings_of_their_own(rec):
-    O, builds, _ = rec
+@pytest.mark.parametrize("how", ["copy.copy", "copy", "or", "ror"])
+def test_copies_and_unions_of_the_state_count_as_the_state_does(rec, how):
+    """copy.copy and | called State(default_factory, mapping) (an error); a copy assigned
+    back to optimizer.state must still count a state tensor replaced later (a fresh counter
+    for the copy missed the per-parameter dicts' changes, and the table kept the old
+    tensor)."""
+    O, builds, launches = rec
     ps, opt = _adam(O)
     opt.step()
-    for other in (copy.copy(opt.state), opt.state.copy(), opt.state | {}, {} | opt.state):
-        assert type(other) is _optim_state.State and set(other) == set(opt.state)
-        assert all(other[p] is opt.state[p] for p in ps)  # shallow: the same dicts
-        other.clear()  # the copy's own mapping: nothing the optimizer holds changed
+    other = {"copy.copy": lambda: copy.copy(opt.state), "copy": lambda: opt.state.copy(),
+             "or": lambda: opt.state | {}, "ror": lambda: {} | opt.state}[how]()
+    assert type(other) is _optim_state.State and set(other) == set(opt.state)
+    assert all(other[p] is opt.state[p] for p in ps)  # shallow: the same dicts
+    opt.state = other
     opt.step()
-    assert len(builds) == 1
+    n = len(builds)
+    new = torch.zeros(3)
+    opt.state[ps[0]]["exp_avg"] = new
+    opt.step()
+    assert len(builds) > n and new.data_ptr() in launches[-1][0].lists["exp_avgs"]
     extra = torch.nn.Parameter(torch.ones(2))
     u = opt.state | {extra: {"step": torch.tensor(1.0)}}
     assert type(u[extra]) is _optim_state.ParamState and extra not in opt.state

@@ -82,10 +82,11 @@ class State(defaultdict):
         return (State, (self._v, list(self.items())))
 
     def copy(self):
-        """A shallow copy (the same per-parameter dicts, whose changes still count for the
-        optimizer), counting apart for its own mapping; defaultdict's copy, ``copy.copy``
-        and ``|`` would call ``State(default_factory, mapping)``."""
-        new = State(Version())
+        """A shallow copy: the same per-parameter dicts, and the same counter, so that the
+        copy assigned back to ``optimizer.state`` still counts every change (its own
+        mapping's changes count too: at worst a table built again). defaultdict's copy,
+        ``copy.copy`` and ``|`` would call ``State(default_factory, mapping)``."""
+        new = State(self._v)
         for k, v in self.items():
             dict.__setitem__(new, k, v)
         return new
@@ -102,7 +103,7 @@ class State(defaultdict):
     def __ror__(self, other):
         if not isinstance(other, dict):
             return NotImplemented
-        new = State(Version(), other.items())
+        new = State(self._v, other.items())
         for k, v in self.items():
             dict.__setitem__(new, k, v)
         return new
