@@ -143,7 +143,12 @@ def _from_torch(t, what, stream):
         dt = _torch_dtypes[t.dtype]
     except KeyError:
         raise TypeError(f"{what} has unsupported dtype {t.dtype}") from None
-    return View(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dt, t.get_device(), False,
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:  # a wrapper subclass with no storage of its own (DTensor, FakeTensor)
+        raise TypeError(f"{what} is a {_what(t)} with no storage of its own (a wrapper tensor "
+                        "subclass); pass a plain tensor (e.g. DTensor.to_local())") from None
+    return View(ptr, tuple(t.shape), tuple(t.stride()), dt, t.get_device(), False,
                 None, "torch", t)
 
 
@@ -217,8 +222,8 @@ def view_from_cai(iface: dict, obj, what="array", kind="cai") -> View:
     stream = iface.get("stream") if version >= 3 else None
     if stream is not None:
         stream = int(stream)
-        if stream == 0:
-            raise ValueError(f"{what}: CAI stream 0 is forbidden by the spec (use 1 for legacy)")
+        if stream == 0:  # forbidden by the spec, but Numba exports its default stream so:
+            stream = 1   # the legacy default stream, as CuPy and Numba read it
     ptr = int(ptr or 0)
     if ptr % isz and 0 not in shape:
         raise ValueError(f"{what}: data pointer 0x{ptr:x} is not aligned to its item size {isz}")
@@ -267,6 +272,7 @@ class _DLManagedTensorVersioned(ctypes.Structure):
 
 
 DLPACK_FLAG_READ_ONLY = 1
+DLPACK_FLAG_IS_COPIED = 2  # the producer exported a copy (DLPack 1.0)
 DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED = 2, 3, 13
 
 _PyCapsule_GetName = ctypes.pythonapi.PyCapsule_GetName
@@ -314,7 +320,9 @@ def view_from_capsule(capsule, obj, what="array") -> View:
         managed = _DLManagedTensorVersioned.from_address(addr)
         if managed.version.major != 1:
             raise TypeError(f"{what}: DLPack major version {managed.version.major} not supported")
-        readonly = bool(managed.flags & DLPACK_FLAG_READ_ONLY)
+        # a copy the producer made (IS_COPIED): writing into it would be lost, so it is
+        # taken as read-only (refused as an output)
+        readonly = bool(managed.flags & (DLPACK_FLAG_READ_ONLY | DLPACK_FLAG_IS_COPIED))
     else:
         managed = _DLManagedTensor.from_address(addr)
         readonly = False
@@ -383,12 +391,13 @@ _ADAPTERS: dict = {}
 def _classify(tp):
     mod = tp.__module__ or ""
     top = mod.split(".", 1)[0]
-    if top == "torch":
-        torch = sys.modules.get("torch")
-        if torch is not None and issubclass(tp, torch.Tensor):
-            if not _torch_dtypes:
-                _init_torch()
-            return _from_torch
+    torch = sys.modules.get("torch")
+    # any torch.Tensor subclass, wherever defined (a user's or a library's: through the CUDA
+    # Array Interface it would lose the conj/neg, grad and stream checks)
+    if torch is not None and issubclass(tp, torch.Tensor):
+        if not _torch_dtypes:
+            _init_torch()
+        return _from_torch
     if top == "cupy":
         cp = sys.modules.get("cupy")
         if cp is not None and issubclass(tp, cp.ndarray):

@@ -8,6 +8,7 @@
 #
 #   git archive REV_A | (mkdir -p out/a && tar -x -C out/a)     # the trees, made where git is
 #   git archive REV_B | (mkdir -p out/b && tar -x -C out/b)
+#   git rev-parse --short REV_A > out/a/.rev; git rev-parse --short REV_B > out/b/.rev
 #   scripts/bench_ab.sh OUTDIR out/a out/b rms_norm -d bfloat16 -s 32768x1024 --peers torch -r 5 -q
 #
 # A GPU machine without git gets the trees carried with the checkout. PYTHON picks the
@@ -27,7 +28,11 @@ for k in $(seq 1 "${ROUNDS:-2}"); do
     for arm in a b; do
         tree=$A
         [ $arm = b ] && tree=$B
-        CUPYLAB_CACHE_DIR=$OUT/cache_$arm PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} \
+        # the revision the results record: the tree's .rev, else its folder's name (an
+        # exported tree has no .git; the checkout around it is not its revision)
+        rev=$(cat "$tree/.rev" 2>/dev/null || echo "tree:$(basename "$tree")")
+        CUPYLAB_GIT_REV=$rev CUPYLAB_CACHE_DIR=$OUT/cache_$arm \
+            PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} \
             "$PY" -m cupylab.bench run "$@" --json "$OUT/${arm}_$k.json" > "$OUT/${arm}_$k.log" 2>&1
         rc=$?
         echo "round $k, $arm ($tree): rc=$rc"

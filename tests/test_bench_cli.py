@@ -178,6 +178,17 @@ def test_no_gpu_one_line_exit_2(monkeypatch, tmp_path, args):
     assert not out.exists()
 
 
+def test_an_interrupt_outside_the_case_loop_exits_130(monkeypatch):
+    """Ctrl-C during the ceiling's measurement (seconds) or while the results are written
+    ended with click's "Aborted!" and status 1, which means "a case failed"."""
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_runtime, "cupy", interrupted)
+    r = invoke(["run", "add", "--dtype", "fp32"])
+    assert r.exit_code == 130 and "interrupted" in r.stderr
+
+
 @pytest.mark.skipif(_has_gpu(), reason="this machine has a GPU: the real no-GPU path cannot run")
 def test_no_gpu_real_path_in_a_fresh_process():
     p = subprocess.run([sys.executable, "-m", "cupylab.bench", "run", "add"], capture_output=True,

@@ -35,11 +35,36 @@ def test_cai_strides_not_multiple_of_itemsize_rejected():
         as_view(FakeCAI((3,), "<f4", strides=(6,)))
 
 
-def test_cai_v3_stream_kept_and_zero_forbidden():
+def test_cai_v3_stream_kept_and_zero_read_as_the_legacy_stream():
+    """Stream 0 is forbidden by the spec, but Numba exports its default stream as 0 (it was
+    refused with ValueError): read as the legacy default stream, as CuPy and Numba read it."""
     assert as_view(FakeCAI((2,), stream=12345)).stream == 12345
     assert as_view(FakeCAI((2,), stream=12345, version=2)).stream is None  # v2 has no stream
-    with pytest.raises(ValueError, match="CAI stream 0 is forbidden"):
-        as_view(FakeCAI((2,), stream=0))
+    assert as_view(FakeCAI((2,), stream=0)).stream == 1
+
+
+def test_a_dlpack_copy_is_not_written_into():
+    """A producer that exported a copy (IS_COPIED) would lose what is written into it: the
+    view is read-only, so out= refuses it."""
+    v = as_view(FakeDLPack((4,), flags=_arrays.DLPACK_FLAG_IS_COPIED))
+    assert v.readonly is True
+    assert as_view(FakeDLPack((4,))).readonly is False
+
+
+def test_torch_subclasses_defined_anywhere_take_the_torch_adapter():
+    """A torch.Tensor subclass defined outside the torch package went through the CUDA Array
+    Interface: conj/neg views read raw, requires_grad raised torch's RuntimeError, a CPU
+    subclass torch's AttributeError; a wrapper subclass without storage (DTensor) is a
+    TypeError, not data_ptr()'s RuntimeError."""
+    torch = pytest.importorskip("torch")
+
+    class Mine(torch.Tensor):
+        pass
+
+    t = torch.ones(3).as_subclass(Mine)
+    assert _arrays.framework_of(t) is _arrays._from_torch
+    with pytest.raises(TypeError, match="host data"):
+        as_view(t)
 
 
 def test_cai_readonly_flag():

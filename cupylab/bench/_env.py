@@ -45,7 +45,8 @@ def git_revision():
 
     The git checkout cupylab is imported from; for an installed copy, the checkout in the
     current directory when it is one of cupylab (the usual ``pip install .`` then run); the
-    ``CUPYLAB_GIT_REV`` environment variable when set; else ``(None, None)``.
+    ``CUPYLAB_GIT_REV`` environment variable when set; else ``(None, None)`` (also for a copy
+    of the sources lying inside another checkout, which is not that checkout's revision).
     """
     env = os.environ.get("CUPYLAB_GIT_REV")
     if env:
@@ -58,6 +59,10 @@ def git_revision():
         top = _git(pkg_root, "rev-parse", "--show-toplevel") if got is not None else None
         if top and Path(top).resolve() == pkg_root:
             return got
+        if top and pkg_root.name not in ("site-packages", "dist-packages"):
+            # a copy of the sources inside another checkout (a tree exported for an A/B):
+            # the checkout around it is not its revision
+            return None, None
         got = _checkout_rev(Path.cwd())
         if got is not None:
             return got

@@ -19,6 +19,7 @@ machines without a GPU); each command imports what it needs when it runs.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -413,10 +414,25 @@ def cli(ctx, **opts):
         ctx.invoke(run_cmd)
 
 
+def _interrupt_exits_130(fn):
+    """Ctrl-C anywhere in the command (the ceiling's measurement, writing the results) ends
+    it with status 130, as an interrupted case loop does; click's own "Aborted!" exits 1,
+    which this command reserves for a failed case."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            click.echo("\ncupylab-bench: interrupted", err=True)
+            raise click.exceptions.Exit(130) from None
+    return wrapper
+
+
 @cli.command("run", context_settings=_CONTEXT)
 @click.argument("ops", nargs=-1, metavar="[OPS]...")
 @_run_options
 @click.pass_context
+@_interrupt_exits_130
 def run_cmd(ctx, ops, dtype, size, framework, peers, compile_, repeat, batch, json_path,
             csv_path, quiet, verbose):
     """Check and time chosen cases.
