@@ -265,8 +265,12 @@ def test_cross_entropy_of_a_confident_row_keeps_its_digits(dt, layout):
         got = to_host(cupylab.cross_entropy(x, cupy_from_host(t), label_smoothing=smooth,
                                             reduction="none"))
         ref = R.ROWWISE_REFERENCES["cross_entropy"](h, t, -100, smooth)[0]
-        np.testing.assert_allclose(got, ref, rtol=1e-4 if dt == "float32" else 1e-10)
-        assert ref[0] < 1e-6 and np.isfinite(ref[4]) and ref[4] > 100
+        # (float64: the reference's lse - x_t cancels to ~5e-9 of a loss of 7e-7, the
+        # kernel's log1p does not)
+        np.testing.assert_allclose(got, ref, rtol=1e-4 if dt == "float32" else 2e-8)
+        assert np.isfinite(ref[4]) and ref[4] > 100
+        if smooth == 0:
+            assert ref[0] < 1e-6
 
 
 def test_leading_shapes_and_torch_stream():
