@@ -203,7 +203,14 @@ def test_cross_entropy_float16_autocast_gradient_with_a_loss_scale(scale):
     (loss_ref * scale).backward()
     (loss * scale).backward()
     assert torch.isfinite(x.grad).all()
-    torch.testing.assert_close(x.grad.float(), ref.grad.float(), rtol=4e-3, atol=2e-6)
+    # against the float64 gradient (torch's own float16 gradient at scale 65536 is off by up
+    # to 4.4e-3, median 1.8e-3, on an H100; cupylab's median 2.7e-4): one float16 rounding,
+    # and the forward's float16 store of the gradient of the sum (subnormal below 6e-5)
+    xd = base.half().double()
+    kept = t != -100
+    exact = torch.softmax(xd, -1) - TF.one_hot(t.clamp(min=0), 8192).double()
+    exact = exact * kept[:, None] * (scale / int(kept.sum()))
+    torch.testing.assert_close(x.grad.double(), exact, rtol=4e-3, atol=1e-6)
     nz = ref.grad != 0
     assert (x.grad[nz] != 0).float().mean() > 0.999
 
