@@ -478,11 +478,10 @@ def load_kernels(path=None, *, source=None, name_expressions=(), options=(), inc
     include_dirs = tuple(str(d) for d in include_dirs)
     sig_key = tuple(sorted((str(k), v) for k, v in (signatures or {}).items()))
     sf_key = tuple(sorted((str(k), v) for k, v in (struct_formats or {}).items()))
+    toolkit = (cuda_include_dir(),) if cuda_include_dir() else ()
     probe = _compile.Program(source, filename, (), options,
-                             ((here,) if here else ()) + include_dirs
-                             + ((cuda_include_dir(),) if cuda_include_dir() else ()),
-                             source_dir=here,
-                             system_dirs=(cuda_include_dir(),) if cuda_include_dir() else ())
+                             ((here,) if here else ()) + include_dirs + toolkit,
+                             source_dir=here, system_dirs=toolkit)
     key = (source, filename, name_expressions, options, include_dirs, here,
            probe.headers_digest(), sig_key, sf_key)
     try:

@@ -68,13 +68,7 @@ class _Fused:
     _cl_step_matters = False  # the update depends on the step count (bias correction)
 
     def _cl_setup(self, master_weights):
-        # per group (param pointers, grad pointers, units, layout, element counts)
-        self._cl_plans = {}
-        self.state = tracked(self.state)
-        self._cl_seen = None  # the state's (Version, count) when the tables were last right
-        # (plan, step counter) that CUDA graphs point into (P.for_stream), kept alive
-        self._cl_captured = []
-        self._cl_unsettled = set()  # params whose loaded master copies are not yet checked
+        self._cl_fresh()
         self.defaults["master_weights"] = bool(master_weights)
         for g in self.param_groups:
             g.setdefault("master_weights", bool(master_weights))
@@ -85,18 +79,24 @@ class _Fused:
         (torch's ``load_state_dict`` calls this too, on a live optimizer: nothing is reset
         then, the tables a captured graph points into stay kept.)"""
         super().__setstate__(state)
-        if hasattr(self, "_cl_plans"):
-            return
-        self._cl_plans = {}
-        self._cl_captured = []
-        self._cl_seen = None
-        self.state = tracked(self.state)
-        # loaded master copies are checked at their next step, as after load_state_dict
-        self._cl_unsettled = {p for p, st in self.state.items() if st}
-        self._cl_restore()
+        if not hasattr(self, "_cl_plans"):
+            self._cl_fresh()
 
-    def _cl_restore(self):
-        """An optimizer's own bookkeeping after unpickling (none here; SGD's first steps)."""
+    def _cl_fresh(self):
+        """Empty launch tables and step bookkeeping over the state as it is (counted)."""
+        # per group (param pointers, grad pointers, units, layout, element counts)
+        self._cl_plans = {}
+        self.state = tracked(self.state)
+        self._cl_seen = None  # the state's (Version, count) when the tables were last right
+        # (plan, step counter) that CUDA graphs point into (P.for_stream), kept alive
+        self._cl_captured = []
+        # params whose loaded master copies are not yet checked (at their next step, as
+        # after load_state_dict; none for a new optimizer)
+        self._cl_unsettled = {p for p, st in self.state.items() if st}
+        self._cl_fresh_own()
+
+    def _cl_fresh_own(self):
+        """An optimizer's own bookkeeping, empty (none here; SGD's first steps)."""
 
     def _cl_check_group(self, group):
         """Refuse a param group (a dict) before it joins: the optimizer's own checks of the

@@ -302,9 +302,8 @@ class SGD(_Fused, torch.optim.SGD):
     def __init__(self, params, *args, master_weights=False, **kwargs):
         super().__init__(params, *args, **kwargs)
         self._cl_setup(master_weights)
-        self._cl_first = {}
 
-    def _cl_restore(self):
+    def _cl_fresh_own(self):
         self._cl_first = {}
 
     def _cl_layout(self, group):  # with momentum, the table holds the buffers
@@ -422,7 +421,7 @@ class SGD(_Fused, torch.optim.SGD):
             torch's own checks (group and parameter counts).
         """
         super().load_state_dict(state_dict)
-        self._cl_first = {}
+        self._cl_fresh_own()
 
 
 class Lion(_Fused, torch.optim.Optimizer):
