@@ -94,3 +94,45 @@ def to_host(a):
 def empty_poisoned(fw, shape, dtype):
     h = np.full(shape, poison_value(dtype)).astype(np_dtype(dtype))
     return from_host(fw, h)
+
+
+# -- holding a stream ------------------------------------------------------------------------
+_HOLD_SRC = r"""
+extern "C" __global__ void hold(const volatile int* flag, long long max_cycles) {
+    long long t0 = clock64();
+    while (*flag == 0 && clock64() - t0 < max_cycles) {
+        __nanosleep(2000);
+    }
+}
+"""
+
+
+class hold:
+    """Context manager: a one-thread kernel queued on the raw CUDA stream ``stream_ptr`` spins
+    until the ``with`` block ends (the host then sets a flag in mapped pinned memory), so that
+    what is queued behind it stays pending for as long as the test looks, however slowly the
+    host runs (under compute-sanitizer too). A bail-out of ``max_seconds`` of GPU clock keeps a
+    test that never leaves the block from hanging the GPU."""
+
+    def __init__(self, stream_ptr, max_seconds=20.0):
+        self.stream_ptr, self.max_seconds = int(stream_ptr), max_seconds
+
+    def __enter__(self):
+        import cupy as cp
+
+        kernel = cp.RawKernel(_HOLD_SRC, "hold")
+        mem = cp.cuda.alloc_pinned_memory(4)
+        self.flag = np.frombuffer(mem, dtype=np.int32, count=1)
+        self.flag[0] = 0
+        self._mem = mem  # kept alive until the kernel has seen the flag
+        cycles = np.int64(self.max_seconds * 2e9)  # at most ~2 GHz: at least max_seconds
+        with cp.cuda.ExternalStream(self.stream_ptr):
+            kernel((1,), (1,), (np.intp(mem.ptr), cycles))
+        return self
+
+    def __exit__(self, *exc):
+        import cupy as cp
+
+        self.flag[0] = 1
+        cp.cuda.ExternalStream(self.stream_ptr).synchronize()  # the flag outlives the kernel
+        return False

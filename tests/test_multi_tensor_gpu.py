@@ -10,7 +10,7 @@ import pytest
 from cupylab import foreach, optim, reference as R
 from cupylab.ops import _mt_plan as P
 
-from gpu_util import FLOATS, from_host, host_data, to_host, empty_poisoned
+from gpu_util import FLOATS, from_host, hold, host_data, to_host, empty_poisoned
 
 pytestmark = pytest.mark.gpu
 TOL = {"float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2), "float32": (2e-6, 2e-6),
@@ -442,13 +442,6 @@ def test_cai_and_numba_lists():
         foreach.add_(nx, [_CAI(x) for x in xs])
 
 
-def _busy(torch, stream):
-    """Queue about 0.1 s of GPU work on ``stream`` (a spinning kernel), so that what is queued
-    after it is certainly still pending when the host looks a few milliseconds later."""
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(200_000_000)
-
-
 def test_a_new_list_is_set_up_without_a_host_synchronisation():
     """The table of a list seen for the first time is uploaded behind the stream's queued work
     and the call returns at once (the host does not wait for the GPU)."""
@@ -457,10 +450,10 @@ def test_a_new_list_is_set_up_without_a_host_synchronisation():
     ys = [torch.ones(n, device="cuda") for n in (5, 4097, 1)]
     foreach.scale_([torch.ones(7, device="cuda")], 1.0)  # the kernel compiled and loaded first
     torch.cuda.synchronize()
-    _busy(torch, s)
-    with torch.cuda.stream(s):
-        foreach.scale_(ys, 3.0)
-    assert not s.query()  # returned while the spinning kernel still runs: no host sync
+    with hold(s.cuda_stream):  # s spins until the block ends
+        with torch.cuda.stream(s):
+            foreach.scale_(ys, 3.0)
+        assert not s.query()  # returned while the spinning kernel still runs: no host sync
     torch.cuda.synchronize()
     assert all(bool((y == 3).all()) for y in ys)
 
@@ -477,15 +470,15 @@ def test_another_stream_gets_its_own_table():
     foreach.norm(zs)  # the kernels compiled and loaded first (a module load may synchronise)
     torch.cuda.synchronize()
     P.cache_clear()  # no table of another test's stream with a recycled handle
-    _busy(torch, a)
-    with torch.cuda.stream(a):
-        foreach.norm(ys)  # a new list: its table is uploaded on a, behind the spinning kernel
-    plan = next(p for p in list(P._cache.values()) if p.stream == a.cuda_stream)
-    with torch.cuda.stream(b):
-        total = foreach.norm(ys)  # the same list on b
-    assert set(plan.siblings) == {b.cuda_stream}
-    b.synchronize()  # done while a still spins: b waited for nothing on a
-    assert not a.query()
+    with hold(a.cuda_stream):  # a spins until the block ends
+        with torch.cuda.stream(a):
+            foreach.norm(ys)  # a new list: its table is uploaded on a, behind the spin
+        plan = next(p for p in list(P._cache.values()) if p.stream == a.cuda_stream)
+        with torch.cuda.stream(b):
+            total = foreach.norm(ys)  # the same list on b
+        assert set(plan.siblings) == {b.cuda_stream}
+        b.synchronize()  # done while a still spins: b waited for nothing on a
+        assert not a.query()
     assert float(total) == pytest.approx(3007 ** 0.5, rel=1e-6)
     with torch.cuda.stream(b):
         foreach.norm(ys)
