@@ -103,6 +103,8 @@ def view(name, pname, a, dask_ok=True):
             raise _host_error(f"{name}: {pname}", a)
         raise TypeError(f"{name}: {pname} must be a Dask array or a GPU array (got "
                         f"{type(a).__module__}.{type(a).__qualname__})")
+    if not is_dask(a):
+        _require_gpu(f"{name}: {pname}", a)
     try:
         dt = _dtypes.resolve(a.dtype)
     except TypeError:
@@ -115,6 +117,20 @@ def view(name, pname, a, dask_ok=True):
         elif isinstance(getattr(a, "strides", None), tuple):  # NumPy, CuPy, Numba: in bytes
             strides = tuple(b // dt.itemsize for b in a.strides)
     return View(0, shape, strides, dt, None, False, None, "dask", a)
+
+
+def _require_gpu(what, a):
+    """Refuse ``a`` (not a Dask array) when the eager operators would refuse it as host data,
+    now rather than when a chunk's task runs: a NumPy array, a torch tensor in host memory, a
+    JAX CPU array or another host DLPack producer. Makes no GPU call."""
+    fn = _arrays.framework_of(a)
+    if fn is None:
+        raise _arrays._host_error(what, a)
+    if fn is _arrays._from_torch:
+        if not a.is_cuda:
+            raise _arrays._host_error(what, a)
+    elif fn in _arrays.DEFERRED:
+        _arrays.deferred_device(a, fn, what)
 
 
 def _vectors(name, kwargs):
@@ -337,6 +353,7 @@ def _as_dask(a, what="operand", view=False):
     Dask's own operations run) as a zero-copy CuPy array instead."""
     if is_dask(a):
         return a
+    _require_gpu(what, a)
     import dask.array as da  # noqa: PLC0415
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 

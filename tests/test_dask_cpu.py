@@ -17,7 +17,12 @@ dask = pytest.importorskip("dask")
 
 
 class Chunk(np.ndarray):
-    """A stand-in chunk type (a GPU array type in real use): the result's meta must keep it."""
+    """A stand-in chunk type (a GPU array type in real use): the result's meta must keep it.
+    It says it is on a CUDA device, as the GPU arrays it stands in for do (the graph's
+    construction refuses host data beside Dask arrays); its data is never read there."""
+
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA, device 0
 
 
 def chunked(a, chunks):
@@ -122,6 +127,28 @@ def test_bad_inputs_are_refused_before_any_graph_runs():
         cupylab.subtract(chunked(np.ones(3, bool), 3), chunked(np.ones(3, bool), 3))
 
 
+
+def test_host_arrays_beside_dask_arrays_are_refused_when_the_graph_is_built():
+    """A NumPy array (or a torch tensor in host memory) given beside Dask arrays, as an operand
+    or a weight, is refused by the call, with the eager operators' message, not later by
+    the chunks' tasks at compute time."""
+    x = chunked(np.ones((4, 6), np.float32), (2, 3))
+    host = "must be a CUDA device array .*got host data of type numpy.ndarray"
+    with pytest.raises(TypeError, match="add: x2 " + host):
+        cupylab.add(x, np.ones(6, np.float32))
+    with pytest.raises(TypeError, match="rms_norm: weight " + host):
+        cupylab.rms_norm(x, np.ones(6, np.float32))
+    with pytest.raises(TypeError, match="layer_norm: bias " + host):
+        cupylab.layer_norm(x, np.ones(6, np.float32).view(Chunk), np.zeros(6, np.float32))
+    with pytest.raises(TypeError, match="softmax_backward: dy " + host):
+        cupylab.softmax_backward(x, np.ones((4, 6), np.float32))
+    with pytest.raises(TypeError, match="rms_norm_backward: weight " + host):
+        cupylab.rms_norm_backward(x, x, np.ones(6, np.float32), chunked(np.ones(4), 2))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with pytest.raises(TypeError, match="rms_norm: weight .*host data of type torch.Tensor"):
+            cupylab.rms_norm(x, torch.ones(6))
+
 # -- row-wise operators: whole rows per chunk ------------------------------------------------
 def _np_softmax(x, axis=-1):
     e = np.exp(x - x.max(axis=axis, keepdims=True))
@@ -218,7 +245,7 @@ def test_gpu_arrays_beside_dask_arrays_are_not_hashed(numpy_chunks, numpy_rows,
 
 def test_rms_norm_sends_the_weight_to_every_chunk(numpy_rows):
     a = np.random.default_rng(4).standard_normal((30, 24))
-    w = np.linspace(0.5, 2, 24)
+    w = np.linspace(0.5, 2, 24).view(Chunk)  # a GPU weight in real use
     y = cupylab.rms_norm(chunked(a, (7, 24)), w, eps=1e-6).compute(scheduler="sync")
     ref = a / np.sqrt((a ** 2).mean(-1, keepdims=True) + 1e-6) * w
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-12)
@@ -259,7 +286,7 @@ def test_operators_without_dask_support_say_so():
 def test_add_rms_norm_returns_y_and_h(numpy_chunks, numpy_rows):
     rng = np.random.default_rng(5)
     a, r = rng.standard_normal((30, 24)), rng.standard_normal((30, 24))
-    w = np.linspace(0.5, 2, 24)
+    w = np.linspace(0.5, 2, 24).view(Chunk)  # a GPU weight in real use
     y, h = cupylab.add_rms_norm(chunked(a, (7, 12)), chunked(r, (10, 24)), w, eps=1e-6)
     assert type(y._meta) is Chunk and type(h._meta) is Chunk
     yv, hv = dask.compute(y, h, scheduler="sync")
@@ -362,7 +389,7 @@ def _np_norm(x, layer):
 def test_norm_backward_on_chunks(numpy_norm_bwd, layer):
     rng = np.random.default_rng(7)
     x, dy = rng.standard_normal((3, 20, 16)), rng.standard_normal((3, 20, 16))
-    w = np.linspace(0.5, 2, 16)  # x's dtype, as the eager backward requires
+    w = np.linspace(0.5, 2, 16).view(Chunk)  # x's dtype, as the eager backward requires
     mean, rstd = _np_norm(x, layer)
     xd, dyd = chunked(x, (2, 7, 8)), chunked(dy, (3, 5, 16))
     if layer:
