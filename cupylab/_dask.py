@@ -51,8 +51,10 @@ def _is_scalar(v):
 
 def _kind(meta):
     """The chunks' framework kind for the eager promotion rule: ``"torch"`` for torch chunks,
-    else ``"cupy"`` (NumPy's rule)."""
-    return "torch" if (type(meta).__module__ or "").split(".", 1)[0] == "torch" else "cupy"
+    ``"jax"`` for JAX chunks (JAX's rule, as the chunk calls will use), else ``"cupy"``
+    (NumPy's rule)."""
+    top = (type(meta).__module__ or "").split(".", 1)[0]
+    return {"torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(top, "cupy")
 
 
 def _refuse_out_stream(name, out, stream):

@@ -128,6 +128,17 @@ def test_bad_inputs_are_refused_before_any_graph_runs():
 
 
 
+def test_the_chunks_framework_picks_the_promotion_rule():
+    def meta_of(module):
+        return type("Meta", (), {"__module__": module})()
+
+    assert _dask._kind(meta_of("torch")) == "torch"
+    assert _dask._kind(meta_of("jaxlib._jax")) == "jax"
+    assert _dask._kind(meta_of("jax._src.array")) == "jax"
+    assert _dask._kind(meta_of("cupy")) == "cupy"
+    assert _dask._kind(np.empty(0)) == "cupy"  # NumPy's rule
+
+
 def test_host_arrays_beside_dask_arrays_are_refused_when_the_graph_is_built():
     """A NumPy array (or a torch tensor in host memory) given beside Dask arrays, as an operand
     or a weight, is refused by the call, with the eager operators' message, not later by

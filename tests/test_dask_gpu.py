@@ -42,6 +42,21 @@ def test_mixed_dtypes_and_scalars_on_chunks():
     cp.testing.assert_allclose(got, a / 4)
 
 
+def test_jax_chunks_follow_jaxs_promotion():
+    """Dask arrays of JAX chunks declare the dtype JAX's rule gives, which is what the chunk
+    calls return (int32 / a Python float: float32 in JAX's default 32-bit mode, where NumPy's
+    rule gives float64)."""
+    jnp = pytest.importorskip("jax.numpy")
+    a = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    x = da.from_array(a, chunks=(2, 3), asarray=False)
+    z = cupylab.multiply(x, 1.5)
+    want = jnp.multiply(a, 1.5)
+    assert z.dtype == want.dtype
+    got = z.compute(scheduler="sync")
+    assert got.dtype == want.dtype
+    cp.testing.assert_allclose(cp.asarray(got), cp.asarray(want))
+
+
 def test_add_rms_norm_and_cross_entropy_on_chunks():
     a, b, w = _data((1000, 257))
     r = cp.random.default_rng(12).standard_normal(a.shape, dtype=cp.float32)
