@@ -224,7 +224,9 @@ def _cross_entropy_rows(logits, target, ignore_index=-100, label_smoothing=0.0):
         tc = np.where(ignored | bad, 0, t)
         xt = np.take_along_axis(x, tc[..., None], axis=-1)[..., 0]
         s = label_smoothing
-        loss = (1 - s) * (lse - xt) + s * (lse - np.mean(x, axis=-1))
+        loss = lse - xt
+        if s:  # without smoothing the row's mean is not a term (0 * inf would be NaN)
+            loss = (1 - s) * loss + s * (lse - np.mean(x, axis=-1))
         loss = np.where(ignored, 0.0, np.where(bad, np.nan, loss))
         grad = np.exp(x - lse[..., None]) - s / n
         onehot = np.zeros_like(x)

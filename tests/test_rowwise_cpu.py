@@ -333,6 +333,11 @@ def test_references():
     np.testing.assert_allclose(g[0], s[0] - [0, 0, 1])
     y, m, r = R.ROWWISE_REFERENCES["layer_norm"](np.full((2, 4), 3.0))
     assert np.all(y == 0) and np.all(m == 3.0)
+    # -inf logits with a finite target: a finite loss without smoothing, as torch gives (the
+    # smoothing term's 0 * inf made it NaN)
+    row = np.array([[-np.inf, 0.0, 1.0]])
+    loss = R.ROWWISE_REFERENCES["cross_entropy"](row, np.array([2]))[0]
+    np.testing.assert_allclose(loss[0], np.log(1 + np.e) - 1.0)
 
 
 @pytest.mark.slow
