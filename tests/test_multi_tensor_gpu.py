@@ -356,7 +356,7 @@ def test_adam_fp32_every_vector_count(u, monkeypatch):
     including the remainder loop (vector counts that are not a multiple of U * 256)."""
     import cupy as cp
 
-    monkeypatch.setattr(P, "OPTIM_U", u)
+    monkeypatch.setattr(P, "ADAM_F32_U", u)
     rng = np.random.default_rng(11)
     sizes = [4096 * 3 + 4 * 257 + 3, 5, 65536 + 12]
     hp = [host_data(rng, (s,), "float32") for s in sizes]

@@ -134,20 +134,20 @@ def adam_llama(torch, rows, n, fraction=1.0):
     variants = [("torch Adam fused", None, None)]
     variants += [(f"cupylab.torch Adam (U={u}, chunk<={P.MAX_CHUNK})", u, P.MAX_CHUNK)
                  for u in P.ADAM_U_CHOICES]
-    variants += [(f"cupylab.torch Adam (U={P.OPTIM_U}, chunk<=16384)", P.OPTIM_U, 16384)]
-    default_u, default_chunk = P.OPTIM_U, P.MAX_CHUNK
+    variants += [(f"cupylab.torch Adam (U={P.ADAM_F32_U}, chunk<=16384)", P.ADAM_F32_U, 16384)]
+    default_u, default_chunk = P.ADAM_F32_U, P.MAX_CHUNK
     try:
         for name, u, chunk in variants:
             if u is None:
                 opt = torch.optim.Adam(ps, lr=1e-4, fused=True)
             else:
-                P.OPTIM_U, P.MAX_CHUNK = u, chunk
+                P.ADAM_F32_U, P.MAX_CHUNK = u, chunk
                 opt = clo.Adam(ps, lr=1e-4)
             out[name] = _events(torch, opt.step, n)
             del opt
             torch.cuda.empty_cache()
     finally:
-        P.OPTIM_U, P.MAX_CHUNK = default_u, default_chunk
+        P.ADAM_F32_U, P.MAX_CHUNK = default_u, default_chunk
     ref = out["torch Adam fused"]
     for k, t in out.items():
         gbs = byts / (t * 1e-3) / 1e9

@@ -59,6 +59,10 @@ OPTIM_COMBOS = (("float32", "float32", False), ("float64", "float64", False),
 FOREACH_U = 2
 OPTIM_U = 2
 ADAM_U_CHOICES = (1, 2, 4)
+#: The float32 Adam/AdamW kernels' ``U`` (float32 state, no master copy): U=1 stepped the
+#: LLaMA-like list 2-4 % faster than U=2 on the H200 in three leases (docs/perf.md,
+#: "Multi-tensor"); one of :data:`ADAM_U_CHOICES`.
+ADAM_F32_U = 1
 
 
 def _b(x):
@@ -78,8 +82,9 @@ def unscale_name(dt, check_only):
 
 
 def adam_name(p, s, master, adamw, u=None):
-    return (f"cl::mt::mt_apply<cl::mt::Adam<{CT[p]}, {CT[s]}, {_b(master)}, {_b(adamw)}>, "
-            f"{OPTIM_U if u is None else u}>")
+    if u is None:
+        u = ADAM_F32_U if (p, s, master) == ("float32", "float32", False) else OPTIM_U
+    return f"cl::mt::mt_apply<cl::mt::Adam<{CT[p]}, {CT[s]}, {_b(master)}, {_b(adamw)}>, {u}>"
 
 
 def sgd_name(p, s, master, momentum):
@@ -114,7 +119,7 @@ def _optim_names():
         names += [adam_name(p, s, m, False), adam_name(p, s, m, True),
                   sgd_name(p, s, m, False), sgd_name(p, s, m, True), lion_name(p, s, m)]
     for u in ADAM_U_CHOICES:
-        if u != OPTIM_U:
+        if u != ADAM_F32_U:
             names += [adam_name("float32", "float32", False, w, u) for w in (False, True)]
     return names
 
