@@ -22,17 +22,19 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 def _compile_one(args):
-    from cupylab import _compile, _dtypes  # noqa: PLC0415
+    from cupylab import _dtypes  # noqa: PLC0415
     from cupylab.ops import elementwise as ew  # noqa: PLC0415
 
     (variant, op, names, extra), cc = args
     types = tuple(_dtypes.from_name(n) for n in names)
     k = ew.kernel(variant, op, types, tuple(extra))
-    return _counted(_compile, k.program, cc)
+    return _counted(k.program, cc)
 
 
-def _counted(_compile, program, cc):
+def _counted(program, cc):
     """``(compiled, compiled but not stored)`` for one program (0 or 1 each)."""
+    from cupylab import _compile  # noqa: PLC0415
+
     before = dict(_compile.stats)
     _compile.compile_program(program, cc)
     return (_compile.stats["compiled"] - before["compiled"],
@@ -45,10 +47,8 @@ def _call(item):
 
 
 def _compile_program(args):
-    from cupylab import _compile  # noqa: PLC0415
-
     family, i, cc = args
-    return _counted(_compile, _FAMILIES[family]()[i], cc)
+    return _counted(_FAMILIES[family]()[i], cc)
 
 
 def _rowwise_programs():

@@ -73,11 +73,12 @@ def find_headers(source, source_dir, dirs, pre=(), system_dirs=()):
     including file's own folder first (``source_dir`` for the source itself), then in
     ``dirs`` in command-line order; ``#include <x>`` in ``dirs`` only; a pre-included
     header (``-include x``) in the working directory, then ``dirs``. Returns ``(headers,
-    opaque)``: ``headers`` a list of ``(name as included, Path, bytes)``, each file once, in
-    the order met; ``opaque`` is True when some ``#include`` outside ``system_dirs`` (the
-    CUDA toolkit's folder, whose headers change with the toolkit only: thrust names its
-    includes through macros) names its file through a macro. Headers found in none of these
-    folders (those NVRTC supplies) are left out."""
+    opaque)``: ``headers`` a list of ``(name as included, Path, bytes, own)``, each file once,
+    in the order met, ``own`` False for those in ``system_dirs`` (the CUDA toolkit's folder,
+    whose headers change with the toolkit only); ``opaque`` is True when some ``#include`` in
+    the source or an own header names its file through a macro (thrust's do, which is why
+    the toolkit's are exempt). Headers found in none of these folders (those NVRTC supplies)
+    are left out."""
     seen, out = set(), []
     opaque = False
     system = tuple(str(Path(d).resolve()) for d in system_dirs)
@@ -97,8 +98,8 @@ def find_headers(source, source_dir, dirs, pre=(), system_dirs=()):
                 if rp not in seen:
                     seen.add(rp)
                     body = p.read_bytes()
-                    out.append((inc, p, body))
                     own = not any(str(rp).startswith(sd + os.sep) for sd in system)
+                    out.append((inc, p, body, own))
                     walk(body.decode("utf-8", "replace"), str(p.parent), own)
                 return
 
@@ -228,7 +229,7 @@ class Program:
         if opaque:
             return ""
         h = hashlib.sha256()
-        for inc, _, body in found:
+        for inc, _, body, _ in found:
             h.update(inc.encode() + b"\0" + body + b"\0")
         return h.hexdigest()
 
@@ -411,12 +412,7 @@ def load_entry(key: str):
     name = _entry_path(key, d).name
     try:
         if not _POSIX_FDS:
-            with open(d / name, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not _trusted(st):
-                    _distrust(d / name, st, "entry")
-                    return None
-                blob = f.read()
+            fd = os.open(d / name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         else:
             dfd = _open_dir(d)
             if dfd is None:
@@ -425,14 +421,14 @@ def load_entry(key: str):
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
             finally:
                 os.close(dfd)
-            with os.fdopen(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    return None
-                if not _trusted(st):
-                    _distrust(d / name, st, "entry")
-                    return None
-                blob = f.read()
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            if not _trusted(st):
+                _distrust(d / name, st, "entry")
+                return None
+            blob = f.read()
     except OSError:
         return None
     return _unpack_entry(blob, key)
@@ -450,15 +446,7 @@ def store_entry(key: str, binary: bytes, mapping: dict, kind: str) -> bool:
     try:
         if not _POSIX_FDS:
             fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=d)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(blob)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, d / name)
-            except BaseException:
-                _unlink(tmp, None)
-                raise
+            _write_and_rename(fd, blob, tmp, d / name, None)
             return True
         dfd = _open_dir(d)
         if dfd is None:
@@ -467,15 +455,7 @@ def store_entry(key: str, binary: bytes, mapping: dict, kind: str) -> bool:
             tmp = f".{key[:16]}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
                          dir_fd=dfd)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(blob)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            except BaseException:
-                _unlink(tmp, dfd)
-                raise
+            _write_and_rename(fd, blob, tmp, name, dfd)
         finally:
             os.close(dfd)
         return True
@@ -483,11 +463,21 @@ def store_entry(key: str, binary: bytes, mapping: dict, kind: str) -> bool:
         return False
 
 
-def _unlink(path, dir_fd):
+def _write_and_rename(fd, blob, tmp, dst, dir_fd):
+    """Write ``blob`` through ``fd`` (the new file ``tmp``), flush it to disk and rename it to
+    ``dst`` (both relative to ``dir_fd`` when given); the file is removed on failure."""
     try:
-        os.unlink(path, dir_fd=dir_fd)
-    except OSError:
-        pass
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
 
 
 #: Counters for tests and the bench CLI: how programs were obtained in this process.

@@ -347,8 +347,8 @@ def _ce_call(fn, ignore_index, label_smoothing, logits, target):
 def _as_dask(a, what="operand", view=False):
     """``a`` (checked by :func:`view`) as a Dask array: itself, or a one-chunk Dask array of
     a GPU array (a bare ``__cuda_array_interface__`` object wrapped as a CuPy array first,
-    zero-copy). A torch tensor in host memory or one that requires grad is refused as the
-    eager operators refuse it; otherwise it goes into the graph as it is (the chunk calls
+    zero-copy). Host data (:func:`_require_gpu`) or a torch tensor that requires grad is
+    refused as the eager operators refuse it; otherwise a torch tensor it goes into the graph as it is (the chunk calls
     get the tensor and check it as the eager operators do: lazy conj/neg bits, layout),
     the Dask array declaring the NumPy dtype of the same name (Dask's ``from_array``
     cannot read a torch dtype) and a NumPy meta; with ``view`` (integer targets, on which
@@ -360,9 +360,7 @@ def _as_dask(a, what="operand", view=False):
     from dask.array.utils import meta_from_array  # noqa: PLC0415
 
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(a, torch.Tensor):
-        if not a.is_cuda:
-            raise _arrays._host_error(what, a)
+    if torch is not None and isinstance(a, torch.Tensor):  # in GPU memory (_require_gpu)
         if a.requires_grad:
             raise TypeError(f"{what} is a torch tensor that requires grad; cupylab kernels "
                             "are not recorded by autograd. Pass tensor.detach()")

@@ -77,14 +77,14 @@ def cuda_include_dir():
     return found
 
 
-def _user_headers(source, here, options, include_dirs):  # here: the source's own folder
-    """``(path, text)`` of every header reachable from ``source`` through the user's include
-    folders (not the CUDA toolkit's), found as NVRTC finds them
-    (:func:`cupylab._compile.find_headers`: the includer's folder first for quoted includes,
-    then the folders ``options`` name, then ``include_dirs``), for the kernel scanner."""
-    opt_dirs, pre = _compile.option_paths(options)
-    found, _ = _compile.find_headers(source, here, opt_dirs + tuple(include_dirs), pre)
-    return [(str(p), body.decode("utf-8", "replace")) for _, p, body in found]
+def _search_dirs(here, include_dirs):
+    """``(include_dirs, system_dirs)`` of a module's programs: the file's own folder, the
+    user's folders, then the CUDA toolkit's include folder (once), which is also the only
+    system folder (see :func:`cupylab._compile.find_headers`)."""
+    user = ((here,) if here else ()) + tuple(include_dirs)
+    cuda_inc = cuda_include_dir()
+    toolkit = (cuda_inc,) if cuda_inc else ()
+    return user + (() if cuda_inc in user else toolkit), toolkit
 
 
 class KernelModule:
@@ -140,20 +140,16 @@ class KernelModule:
         self.source = source
         self.filename = filename
         self._options = tuple(options)
-        inc = tuple(str(d) for d in include_dirs)
-        user_dirs = ((here,) if here else ()) + inc
-        cuda_inc = cuda_include_dir()
-        self._include_dirs = user_dirs + ((cuda_inc,) if cuda_inc and cuda_inc not in
-                                          user_dirs else ())
-        self._system_dirs = (cuda_inc,) if cuda_inc else ()
+        self._include_dirs, self._system_dirs = _search_dirs(
+            here, (str(d) for d in include_dirs))
         self._here = here
-        # the source's own folder as NVRTC takes it (Program.nvrtc_name's): the file's, or
-        # for a source string filename='s (the working directory for a bare name)
-        src_dir = here if here else (os.path.dirname(filename) or ".")
         self._struct_formats = dict(struct_formats or {})
         decls, aliases = _scan(source, filename)
-        for hpath, htext in _user_headers(source, src_dir, self._options, user_dirs):
-            hd, ha = _scan(htext, hpath)
+        # the user's headers (not the toolkit's), found as NVRTC finds them
+        for _, hpath, body, own in self._program(()).headers()[0]:
+            if not own:
+                continue
+            hd, ha = _scan(body.decode("utf-8", "replace"), str(hpath))
             decls = hd + decls
             for k, v in ha.items():
                 # defined differently in two files (headers behind #if branches, which the
@@ -192,9 +188,7 @@ class KernelModule:
         for nm in self._declared:  # declared signatures name kernels that exist
             if nm not in exprs:
                 exprs.append(nm)
-        self.program = _compile.Program(source, filename, exprs, self._options,
-                                        self._include_dirs, source_dir=here,
-                                        system_dirs=self._system_dirs)
+        self.program = self._program(exprs)
         self._programs = {}
         self._kernels = {}
         self._lock = threading.Lock()
@@ -344,14 +338,18 @@ class KernelModule:
             return False
         return True
 
+    def _program(self, exprs):
+        """A program of this module's source for the name expressions ``exprs``."""
+        return _compile.Program(self.source, self.filename, exprs, self._options,
+                                self._include_dirs, source_dir=self._here,
+                                system_dirs=self._system_dirs)
+
     def _program_for(self, expr):
         if expr in self.program.name_expressions:
             return self.program
         p = self._programs.get(expr)
         if p is None:
-            p = self._programs[expr] = _compile.Program(
-                self.source, self.filename, [expr], self._options, self._include_dirs,
-                source_dir=self._here, system_dirs=self._system_dirs)
+            p = self._programs[expr] = self._program([expr])
         return p
 
     def compile(self, cc=None):
@@ -478,10 +476,9 @@ def load_kernels(path=None, *, source=None, name_expressions=(), options=(), inc
     include_dirs = tuple(str(d) for d in include_dirs)
     sig_key = tuple(sorted((str(k), v) for k, v in (signatures or {}).items()))
     sf_key = tuple(sorted((str(k), v) for k, v in (struct_formats or {}).items()))
-    toolkit = (cuda_include_dir(),) if cuda_include_dir() else ()
-    probe = _compile.Program(source, filename, (), options,
-                             ((here,) if here else ()) + include_dirs + toolkit,
-                             source_dir=here, system_dirs=toolkit)
+    dirs, system = _search_dirs(here, include_dirs)
+    probe = _compile.Program(source, filename, (), options, dirs, source_dir=here,
+                             system_dirs=system)
     key = (source, filename, name_expressions, options, include_dirs, here,
            probe.headers_digest(), sig_key, sf_key)
     try:

@@ -46,7 +46,11 @@ def test_compile_produces_cubin_and_lowered_names(cache, program):
     assert all(v.startswith("_Z") for v in mapping.values())
 
 
-def test_cache_hit_in_new_program_object(cache, program):
+@pytest.mark.parametrize("fds", [True, False])
+def test_cache_hit_in_new_program_object(cache, program, monkeypatch, fds):
+    """Stored and found again, through the directory's descriptor (POSIX) or by path (a
+    system without the *at calls)."""
+    monkeypatch.setattr(_compile, "_POSIX_FDS", fds and _compile._POSIX_FDS)
     make, _ = program
     before = dict(_compile.stats)
     _compile.compile_program(make(), 90)
@@ -56,9 +60,14 @@ def test_cache_hit_in_new_program_object(cache, program):
     assert len(_entries(cache)) == 1
 
 
+def _key(p, cc=90):
+    """``p``'s disk cache key for ``cc`` (None: the program cannot be keyed)."""
+    return p.key(_compile.target_for(cc)[0], _compile.nvrtc_version())
+
+
 def test_cache_keys(cache, program):
     make, inc = program
-    k = lambda p, cc=90: p.key(_compile.target_for(cc)[0], _compile.nvrtc_version())  # noqa: E731
+    k = _key
     base = k(make())
     assert k(make(), 80) != base  # arch
     p = make()
@@ -87,7 +96,7 @@ def test_the_key_follows_every_header_nvrtc_can_read(cache, program, tmp_path, m
     string source's own folder is the working directory, as NVRTC takes it, and a header
     found there is hashed too."""
     make, inc = program
-    k = lambda p: p.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
+    k = _key
     p = make()
     first = k(p)
     (inc / "helper.cuh").write_text("template <typename T> __device__ T helper_scale() { return T(7); }\n")
@@ -123,6 +132,16 @@ def _tree(root, files):
     return root
 
 
+def _assert_key_follows(p, ignored, read):
+    """Editing ``ignored`` (path, text: a header NVRTC does not read for ``p``) keeps ``p``'s
+    key; editing ``read`` (the one it reads) changes it."""
+    before = _key(p)
+    ignored[0].write_text(ignored[1])
+    assert _key(p) == before
+    read[0].write_text(read[1])
+    assert _key(p) != before
+
+
 def test_a_header_includes_one_beside_it_as_nvrtc_finds_it(cache, tmp_path):
     """#include "b.h" in lib/a.h finds lib/b.h (the includer's folder first, as NVRTC looks
     by default; --no-source-include had turned that off: "cannot open source file"), before
@@ -137,12 +156,8 @@ def test_a_header_includes_one_beside_it_as_nvrtc_finds_it(cache, tmp_path):
     m = load_kernels(root / "proj" / "k.cu", include_dirs=[root / "inc"])
     m.compile(90)
     p = _compile.Program.from_file(root / "proj" / "k.cu", ["k"], include_dirs=[root / "inc"])
-    k = lambda: p.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
-    before = k()
-    (root / "inc" / "b.h").write_text("constexpr int B = 3;\n")  # not what NVRTC reads
-    assert k() == before
-    (root / "proj" / "lib" / "b.h").write_text("constexpr int B = 2;\n")
-    assert k() != before
+    _assert_key_follows(p, (root / "inc" / "b.h", "constexpr int B = 3;\n"),  # not NVRTC's
+                        (root / "proj" / "lib" / "b.h", "constexpr int B = 2;\n"))
 
 
 def test_the_key_searches_option_folders_before_include_dirs(cache, tmp_path):
@@ -153,12 +168,8 @@ def test_the_key_searches_option_folders_before_include_dirs(cache, tmp_path):
                             "dirs/cfg.h": "constexpr int V = 100;\n"})
     src = '#include <cfg.h>\nextern "C" __global__ void k(int* x) { x[0] = V; }\n'
     p = _compile.Program(src, "k.cu", ["k"], [f"-I{root / 'opt'}"], [root / "dirs"])
-    k = lambda: p.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
-    before = k()
-    (root / "dirs" / "cfg.h").write_text("constexpr int V = 200;\n")
-    assert k() == before
-    (root / "opt" / "cfg.h").write_text("constexpr int V = 2;\n")
-    assert k() != before
+    _assert_key_follows(p, (root / "dirs" / "cfg.h", "constexpr int V = 200;\n"),
+                        (root / "opt" / "cfg.h", "constexpr int V = 2;\n"))
 
 
 def test_headers_are_hashed_as_bytes_and_macro_includes_are_not_cached(cache, tmp_path):
@@ -169,7 +180,7 @@ def test_headers_are_hashed_as_bytes_and_macro_includes_are_not_cached(cache, tm
                             "inc/cfg.h": "constexpr int V = 1;\n"})
     src = '#include "l1.h"\nextern "C" __global__ void k(int* x) { x[0] = L; }\n'
     p = _compile.Program(src, "k.cu", ["k"], include_dirs=[root / "inc"])
-    k = lambda q: q.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
+    k = _key
     before = k(p)
     (root / "inc" / "l1.h").write_bytes(b"// caf\xe8\nconstexpr int L = 1;\n")
     assert k(p) != before
@@ -420,7 +431,7 @@ def test_keys_do_not_depend_on_where_the_tree_lies(cache, tmp_path):
     for where in ("one", "two"):
         root = _tree(tmp_path / where, files)
         p = _compile.Program.from_file(root / "k.cu", ["k"])
-        keys.append(p.key(_compile.target_for(90)[0], _compile.nvrtc_version()))
+        keys.append(_key(p))
     assert keys[0] == keys[1]
 
 
@@ -432,12 +443,8 @@ def test_pre_included_headers_are_found_where_nvrtc_finds_them(cache, tmp_path, 
     monkeypatch.chdir(root)
     p = _compile.Program.from_file(root / "src" / "k.cu", ["k"],
                                    ["-include", "pre.h", f"-I{root / 'inc'}"])
-    k = lambda: p.key(_compile.target_for(90)[0], _compile.nvrtc_version())  # noqa: E731
-    before = k()
-    (root / "src" / "pre.h").write_text("#define PRE 3\n")
-    assert k() == before
-    (root / "inc" / "pre.h").write_text("#define PRE 4\n")
-    assert k() != before
+    _assert_key_follows(p, (root / "src" / "pre.h", "#define PRE 3\n"),
+                        (root / "inc" / "pre.h", "#define PRE 4\n"))
 
 
 def test_macro_includes_in_the_toolkits_headers_keep_a_program_cached(cache, tmp_path):
@@ -449,13 +456,13 @@ def test_macro_includes_in_the_toolkits_headers_keep_a_program_cached(cache, tmp
     sysd = root / "cuda" / "include"
     src = '#include <thr.h>\nextern "C" __global__ void k(int* x) {}\n'
     p = _compile.Program(src, "k.cu", ["k"], include_dirs=[sysd], system_dirs=[sysd])
-    assert p.key(_compile.target_for(90)[0], _compile.nvrtc_version()) is not None
+    assert _key(p) is not None
     q = _compile.Program('#include "mine.h"\n', "k.cu", [], include_dirs=[root / "inc"])
-    assert q.key(_compile.target_for(90)[0], _compile.nvrtc_version()) is None
+    assert _key(q) is None
     # #include_next in the user's own header: its file is not followed, so not keyable
     (root / "inc" / "next.h").write_text("#include_next <next.h>\n")
     r = _compile.Program('#include "next.h"\n', "k.cu", [], include_dirs=[root / "inc"])
-    assert r.key(_compile.target_for(90)[0], _compile.nvrtc_version()) is None
+    assert _key(r) is None
 
 
 def test_precompile_for_an_arch_older_than_nvrtc_targets_is_one_clear_error(cache, monkeypatch,
