@@ -31,6 +31,7 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$OUT/kernel-cache}
 PY=${PYTHON:-python3}
+. scripts/pytest_args.sh  # PARGS: the extra pytest arguments of $PYTEST_ARGS
 STEPS=${STEPS:-precompile tests sanitizer overhead mixed rowbench mtbench}
 JOBS=${JOBS:-$(nproc)}
 SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
@@ -104,7 +105,7 @@ if has tests; then
   # -v (and no -q, which would cancel it) with xdist: one line per test as it finishes, so a
   # run cut short by its time cap still names what failed
   $PY -c 'import xdist' 2>/dev/null && par=(-n "${TEST_JOBS:-$(( JOBS > 12 ? 12 : JOBS ))}" -v)
-  timeout "${T_TESTS:-300}" $PY -m pytest -p no:cacheprovider -rs "${par[@]}" "$T" ${PYTEST_ARGS:-} \
+  timeout "${T_TESTS:-300}" $PY -m pytest -p no:cacheprovider -rs "${par[@]}" "$T" "${PARGS[@]}" \
     > "$OUT/pytest.log" 2>&1
   say "pytest, all tests (rc=$?): $(tail -n 1 "$OUT/pytest.log")  [$(( $(date +%s) - t0 )) s]"
   say "  $(grep -cE " PASSED " "$OUT/pytest.log") passed, $(grep -cE " FAILED " "$OUT/pytest.log") failed, $(grep -cE " SKIPPED " "$OUT/pytest.log") skipped (per-test lines)"

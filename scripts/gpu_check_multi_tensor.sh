@@ -14,6 +14,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$PWD/$OUT/kernel-cache}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
+. scripts/pytest_args.sh  # PARGS: the extra pytest arguments of $PYTEST_ARGS
 STEPS=${STEPS:-tests bench sanitizer}
 summary=()
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -21,7 +22,7 @@ TESTS="tests/test_multi_tensor_cpu.py tests/test_multi_tensor_gpu.py tests/test_
 
 if has tests; then
   timeout "${T_TESTS:-80}" $PY -m pytest -q -p no:cacheprovider -rs $TESTS \
-    -k "not every_multi_tensor_kernel" ${PYTEST_ARGS:-} > "$OUT/pytest_mt.log" 2>&1
+    -k "not every_multi_tensor_kernel" "${PARGS[@]}" > "$OUT/pytest_mt.log" 2>&1
   summary+=("pytest multi-tensor (rc=$?): $(tail -n 1 "$OUT/pytest_mt.log")")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_mt.log" | head -n 30
 fi

@@ -17,6 +17,7 @@ mkdir -p "$OUTD"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$PWD/$OUTD/kernel-cache}
 PY=${PYTHON:-python3}
+. scripts/pytest_args.sh  # PARGS: the extra pytest arguments of $PYTEST_ARGS
 STEPS=${STEPS:-precompile firstcall tests bench sanitizer}
 summary=()
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -50,7 +51,7 @@ summary+=("  (elapsed $(( $(date +%s) - t0 )) s)")
 if has tests; then
   timeout ${T_TESTS:-300} $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu_conformance.py \
     tests/test_gpu_elementwise.py tests/test_ufunc_cpu.py tests/test_ops_cpu.py \
-    tests/test_interop_cpu.py ${PYTEST_ARGS:-} > "$OUTD/pytest.log" 2>&1
+    tests/test_interop_cpu.py "${PARGS[@]}" > "$OUTD/pytest.log" 2>&1
   summary+=("pytest (elementwise + conformance, rc=$?): $(tail -n 1 "$OUTD/pytest.log")")
   while IFS= read -r line; do summary+=("  $line"); done < <(grep -E "^(FAILED|ERROR)" "$OUTD/pytest.log" | head -n 30)
   summary+=("  (elapsed $(( $(date +%s) - t0 )) s)")

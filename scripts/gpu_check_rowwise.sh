@@ -21,6 +21,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$PWD/$OUT/kernel-cache}
 PY=${PYTHON:-python3}
+. scripts/pytest_args.sh  # PARGS: the extra pytest arguments of $PYTEST_ARGS
 STEPS=${STEPS:-compile tests nopipe memcheck racecheck bench ce benchc}
 SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
 summary=()
@@ -37,7 +38,7 @@ fi
 
 if has tests; then
   timeout ${TESTS_TIMEOUT:-150} $PY -m pytest -q -p no:cacheprovider -rs --tb=short \
-    tests/test_rowwise_gpu.py tests/test_rowwise_cpu.py -k "not every" ${PYTEST_ARGS:-} \
+    tests/test_rowwise_gpu.py tests/test_rowwise_cpu.py -k "not every" "${PARGS[@]}" \
     > "$OUT/pytest.log" 2>&1
   summary+=("pytest rowwise (rc=$?): $(tail -n 1 "$OUT/pytest.log")")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 30

@@ -10,7 +10,8 @@
 # then a summary. Usage: scripts/gpu_check_torch.sh [OUTDIR]  (default ./out)
 # STEPS (default "compile tests bench"); T_TESTS, T_BENCH: per-step time limits in seconds
 # (defaults 420 and 100: the whole check fits in 10 minutes; a step that runs out is reported
-# and the next one still runs); PYTEST_ARGS: extra pytest arguments (e.g. -k "not compile").
+# and the next one still runs); PYTEST_ARGS: extra pytest arguments, shell-quoted (e.g.
+# PYTEST_ARGS="-k 'not compile'").
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-out}
@@ -21,6 +22,7 @@ CACHES=${TMPDIR:-/tmp}/cupylab-torch-check
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$CACHES/kernel-cache}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$CACHES/inductor-cache}
 PY=${PYTHON:-python3}
+. scripts/pytest_args.sh  # PARGS: the extra pytest arguments of $PYTEST_ARGS
 STEPS=${STEPS:-compile tests bench}
 summary=()
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -43,7 +45,7 @@ fi
 
 if has tests; then
   timeout "${T_TESTS:-420}" $PY -m pytest -q -rs -p no:cacheprovider --tb=short \
-    tests/test_torch_gpu.py ${PYTEST_ARGS:-} > "$OUT/pytest_torch_gpu.log" 2>&1
+    tests/test_torch_gpu.py "${PARGS[@]}" > "$OUT/pytest_torch_gpu.log" 2>&1
   summary+=("pytest tests/test_torch_gpu.py (rc=$?): $(tail -n 1 "$OUT/pytest_torch_gpu.log")")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_torch_gpu.log" | head -n 40
   timeout 60 $PY -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_torch_cpu.py \

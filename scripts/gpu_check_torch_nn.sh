@@ -16,6 +16,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPYLAB_CACHE_DIR=${CUPYLAB_CACHE_DIR:-$PWD/$OUT/kernel-cache}
 PY=${PYTHON:-python3}
+. scripts/pytest_args.sh  # PARGS: the extra pytest arguments of $PYTEST_ARGS
 STEPS=${STEPS:-import tests example}
 summary=()
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -34,7 +35,7 @@ if has tests; then
   par=()
   $PY -c 'import xdist' 2>/dev/null && par=(-n "${TEST_JOBS:-4}" -v)
   timeout ${TESTS_TIMEOUT:-330} $PY -m pytest -q -p no:cacheprovider -rs --tb=short "${par[@]}" \
-    tests/test_torch_nn_gpu.py tests/test_torch_nn_cpu.py ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+    tests/test_torch_nn_gpu.py tests/test_torch_nn_cpu.py "${PARGS[@]}" > "$OUT/pytest.log" 2>&1
   summary+=("pytest torch nn (rc=$?): $(tail -n 1 "$OUT/pytest.log")")
   grep -E "^(FAILED|ERROR)| FAILED | ERROR " "$OUT/pytest.log" | head -n 30
   stamp "tests done"
