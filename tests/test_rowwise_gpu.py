@@ -194,7 +194,7 @@ def test_layer_norm_constant_rows(cols):
     consts = np.array([3.25, 123.456, -7.1e-3, 1e4 / 3, 0.1])
     for dt in FLOATS:
         h = np.repeat(consts[:, None], cols, axis=1).astype(np_dtype(dt))
-        b = np.arange(cols).astype(np_dtype(dt))
+        b = (np.arange(cols) % 2048).astype(np_dtype(dt))  # float16 holds it (65504 max)
         want = np.broadcast_to(b.astype(np.float64), h.shape)
         y, mean, _ = cupylab.layer_norm(cupy_from_host(h), None, cupy_from_host(b),
                                         return_stats=True)
