@@ -49,12 +49,15 @@ def _is_scalar(v):
     return isinstance(v, numbers.Number) and getattr(v, "shape", ()) == ()
 
 
+#: the chunks' top-level module -> the kind whose promotion rule they follow (else NumPy's)
+_KIND_OF_MODULE = {"torch": "torch", "jax": "jax", "jaxlib": "jax"}
+
+
 def _kind(meta):
     """The chunks' framework kind for the eager promotion rule: ``"torch"`` for torch chunks,
     ``"jax"`` for JAX chunks (JAX's rule, as the chunk calls will use), else ``"cupy"``
     (NumPy's rule)."""
-    top = (type(meta).__module__ or "").split(".", 1)[0]
-    return {"torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(top, "cupy")
+    return _KIND_OF_MODULE.get((type(meta).__module__ or "").split(".", 1)[0], "cupy")
 
 
 def _refuse_out_stream(name, out, stream):
@@ -348,9 +351,9 @@ def _as_dask(a, what="operand", view=False):
     """``a`` (checked by :func:`view`) as a Dask array: itself, or a one-chunk Dask array of
     a GPU array (a bare ``__cuda_array_interface__`` object wrapped as a CuPy array first,
     zero-copy). Host data (:func:`_require_gpu`) or a torch tensor that requires grad is
-    refused as the eager operators refuse it; otherwise a torch tensor it goes into the graph as it is (the chunk calls
-    get the tensor and check it as the eager operators do: lazy conj/neg bits, layout),
-    the Dask array declaring the NumPy dtype of the same name (Dask's ``from_array``
+    refused as the eager operators refuse it; otherwise a torch tensor goes into the graph as
+    it is (the chunk calls get the tensor and check it as the eager operators do: lazy
+    conj/neg bits, layout), the Dask array declaring the NumPy dtype of the same name (Dask's ``from_array``
     cannot read a torch dtype) and a NumPy meta; with ``view`` (integer targets, on which
     Dask's own operations run) as a zero-copy CuPy array instead."""
     if is_dask(a):

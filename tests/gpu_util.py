@@ -2,6 +2,8 @@
 and poison values. Imported only by GPU tests."""
 import numpy as np
 
+from cupylab import _launch
+
 try:
     import ml_dtypes
 
@@ -117,22 +119,25 @@ class hold:
     def __init__(self, stream_ptr, max_seconds=20.0):
         self.stream_ptr, self.max_seconds = int(stream_ptr), max_seconds
 
+    _kernel = None  # compiled on first use, shared
+
     def __enter__(self):
         import cupy as cp
 
-        kernel = cp.RawKernel(_HOLD_SRC, "hold")
+        if hold._kernel is None:
+            hold._kernel = cp.RawKernel(_HOLD_SRC, "hold")
         mem = cp.cuda.alloc_pinned_memory(4)
         self.flag = np.frombuffer(mem, dtype=np.int32, count=1)
         self.flag[0] = 0
         self._mem = mem  # kept alive until the kernel has seen the flag
         cycles = np.int64(self.max_seconds * 2e9)  # at most ~2 GHz: at least max_seconds
-        with cp.cuda.ExternalStream(self.stream_ptr):
-            kernel((1,), (1,), (np.intp(mem.ptr), cycles))
+        # cupylab's wrapper of a raw handle (CuPy 14 deprecates cupy.cuda.ExternalStream)
+        self._stream = _launch.cupy_stream(self.stream_ptr, -1)
+        with self._stream:
+            hold._kernel((1,), (1,), (np.intp(mem.ptr), cycles))
         return self
 
     def __exit__(self, *exc):
-        import cupy as cp
-
         self.flag[0] = 1
-        cp.cuda.ExternalStream(self.stream_ptr).synchronize()  # the flag outlives the kernel
+        self._stream.synchronize()  # the flag outlives the kernel
         return False

@@ -127,7 +127,6 @@ def test_bad_inputs_are_refused_before_any_graph_runs():
         cupylab.subtract(chunked(np.ones(3, bool), 3), chunked(np.ones(3, bool), 3))
 
 
-
 def test_the_chunks_framework_picks_the_promotion_rule():
     def meta_of(module):
         return type("Meta", (), {"__module__": module})()
@@ -159,6 +158,7 @@ def test_host_arrays_beside_dask_arrays_are_refused_when_the_graph_is_built():
     if torch is not None:
         with pytest.raises(TypeError, match="rms_norm: weight .*host data of type torch.Tensor"):
             cupylab.rms_norm(x, torch.ones(6))
+
 
 # -- row-wise operators: whole rows per chunk ------------------------------------------------
 def _np_softmax(x, axis=-1):
