@@ -133,10 +133,16 @@ __device__ __forceinline__ R dsmem_load(const R* p, unsigned rank) {
 
 // Reduce v over the TPR threads of a row group (and the C blocks of a cluster). SLOT tells
 // the call sites of one kernel apart (each has its own shared memory). Must be called by
-// every thread of the block (all lanes take part in the shuffles). Ends with the barriers
-// that make its shared memory reusable by the next call of the same site.
+// every thread of the block (all lanes take part in the shuffles).
+//
+// Cluster level (C > 1): one cluster barrier a call. Each block's partial goes to one of two
+// shared-memory buffers chosen by ``phase``, which must alternate between consecutive calls
+// of the same site (the kernels pass their row counter): a buffer is written again two calls
+// later, after the next call's barrier, which every peer reaches only once it has read the
+// buffer. A block must therefore not exit while a peer may still read its last partial: a
+// cluster kernel ends with cluster_sync().
 template <int TPR, int C, int SLOT, int THREADS = TPR, typename R, typename Op>
-__device__ __forceinline__ R group_reduce(R v, Op op) {
+__device__ __forceinline__ R group_reduce(R v, Op op, int phase) {
     static_assert(TPR <= 32 || THREADS % TPR == 0, "a block holds whole groups");
     static_assert(C == 1 || TPR == THREADS, "a cluster reduces one row a block");
     constexpr int W = TPR < 32 ? TPR : 32;
@@ -154,16 +160,30 @@ __device__ __forceinline__ R group_reduce(R v, Op op) {
         __syncthreads();
     }
     if constexpr (C > 1) {
-        __shared__ R cpart;
-        if (threadIdx.x == 0) cpart = v;
+        __shared__ R cpart[2];
+        R* buf = cpart + (phase & 1);
+        if (threadIdx.x == 0) *buf = v;
         cluster_sync();
-        R acc = dsmem_load(&cpart, 0u);
-#pragma unroll
-        for (int q = 1; q < C; ++q) acc = op(acc, dsmem_load(&cpart, (unsigned)q));
+        // Lane q of each group of C lanes reads block q's partial: one load a lane, the C
+        // loads in flight at once. The group combines them by shuffles. The ops are
+        // commutative, so every lane of every block ends with the same value, in a fixed
+        // order. The shuffle loop stays rolled: unrolled (or every thread reading all C
+        // partials, as before) kept the row's registers spilling around this reduction
+        // (ptxas, sm_90, 16-bit cross-entropy 92-112 bytes, layer_norm 24-40; now 0-68).
+        static_assert((C & (C - 1)) == 0 && C <= 32, "C is a power of two up to 32");
+        R acc = dsmem_load(buf, (unsigned)(threadIdx.x & (C - 1)));
+#pragma unroll 1
+        for (int o = 1; o < C; o <<= 1) acc = op(acc, shfl_xor(acc, o));
         v = acc;
-        cluster_sync();  // nobody overwrites cpart (next row) while a peer may still read it
     }
     return v;
+}
+
+// Without a phase: for one-block groups only (a cluster call must pass its row counter).
+template <int TPR, int C, int SLOT, int THREADS = TPR, typename R, typename Op>
+__device__ __forceinline__ R group_reduce(R v, Op op) {
+    static_assert(C == 1, "a cluster group_reduce passes its phase");
+    return group_reduce<TPR, C, SLOT, THREADS>(v, op, 0);
 }
 
 }  // namespace cl

@@ -59,6 +59,27 @@ __device__ __forceinline__ void unpack<bf16_t, 8, float>(const Vec<bf16_t, 8>& v
         f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
 }
+template <>
+__device__ __forceinline__ void unpack<half_t, 8, float>(const Vec<half_t, 8>& v, float (&f)[8]) {
+    // per 32-bit word: the row stays two halves a register (converting element by element
+    // split it into one 16-bit value a register, and float16 add_rms_norm spilled)
+    const unsigned* w = reinterpret_cast<const unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm("{ .reg .b16 lo, hi;\n\t"
+            "mov.b32 {lo, hi}, %2;\n\t"
+            "cvt.f32.f16 %0, lo;\n\t"
+            "cvt.f32.f16 %1, hi; }" : "=f"(f[2 * i]), "=f"(f[2 * i + 1]) : "r"(w[i]));
+}
+// An empty asm that claims to change the 32-bit words of v: values the compiler unpacked from
+// v in an earlier pass cannot be reused, so it does not keep them live (in registers, or
+// spilled) across a reduction; each pass unpacks again (one instruction an element).
+template <typename T, int V>
+__device__ __forceinline__ void launder(Vec<T, V>& v) {
+    unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(Vec<T, V>) / 4); ++i) asm volatile("" : "+r"(w[i]));
+}
 template <typename T, int V, typename A>
 __device__ __forceinline__ void pack(const A (&f)[V], Vec<T, V>& v) {
 #pragma unroll
@@ -121,9 +142,8 @@ template <typename W, int V, typename A>
 __device__ __forceinline__ void load_wslot_t(A (&o)[V], u64 w, int e0, int cols, A dflt) {
     const W* wp = reinterpret_cast<const W*>(w);
     if (e0 >= 0 && e0 + V <= cols && ((w + e0 * sizeof(W)) % (sizeof(W) * V)) == 0) {
-        Vec<W, V> t = *reinterpret_cast<const Vec<W, V>*>(wp + e0);
-#pragma unroll
-        for (int k = 0; k < V; ++k) o[k] = (A)to_acc(t.v[k]);
+        const Vec<W, V> t = *reinterpret_cast<const Vec<W, V>*>(wp + e0);
+        unpack<W, V, A>(t, o);  // bfloat16: the two-instructions-a-pair split
     } else {
 #pragma unroll
         for (int k = 0; k < V; ++k) {

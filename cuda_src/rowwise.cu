@@ -135,17 +135,30 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     tt = (int)(t - ((i64)sbase * V - head));
                 }
             }
-            // The row maximum first, then the sum of exp(x - max): two plain reductions are
-            // cheaper than combining (max, sum) pairs (no exp per combine). An all -inf row
-            // sums exp(-inf - 0) = 0 and gives NaN below (like torch); NaN or +inf in a row
-            // make the sum NaN.
+            // Within a block, the row maximum first, then the sum of exp(x - max): two plain
+            // reductions are cheaper than combining (max, sum) pairs (no exp per combine).
+            // Across a cluster, the (max, sum) pairs of the threads are combined in one
+            // reduction: one cluster barrier a row instead of two. An all -inf row sums
+            // exp(-inf - 0) = 0 and gives NaN below (like torch); NaN or +inf in a row make
+            // the sum NaN.
             // Cross-entropy leaves the target's own term out of the sum and adds it after the
             // reduction: when the target is the max, the loss log(sum) - (xt - max) is then
             // log1p(others), which keeps its digits for a confident row (the others' sum
             // ~1e-7 is lost when added to the target's 1 in float32). A loss can only be
             // that small when the target is the max.
-            m = group_reduce<TPR, C, 0, THREADS>(m, MaxOp());
+            if constexpr (C == 1) m = group_reduce<TPR, C, 0, THREADS>(m, MaxOp(), it);
             const A mz = (m == neg_inf<A>()) ? A(0) : m;
+            // cross-entropy keeps more values live (target, loss terms) than the softmaxes:
+            // for 16-bit rows the unpacked halves kept from the first pass spilled (ptxas)
+            if constexpr (OP == OP_CE && sizeof(T) == 2) {
+#pragma unroll
+                for (int j = 0; j < NV; ++j) launder(a[j]);
+            }
+            // softmax of float32 / float64 rows keeps each exp(x - max) in the row's registers
+            // (the same type: nothing is rounded) for the output pass, instead of computing
+            // the accurate exp twice; 16-bit rows would round it, so they compute it again
+            // (single-block rows only: across a cluster mz is this thread's own maximum)
+            constexpr bool KEEP_EXP = OP == OP_SOFTMAX && IsSame<T, A>::value && C == 1;
             A s = A(0);
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
@@ -156,26 +169,37 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     const A e = exp_row<T>(f[k] - mz);
                     if constexpr (OP == OP_CE) s += (j * TPR * V + k == tt) ? A(0) : e;
                     else s += e;
+                    if constexpr (KEEP_EXP) a[j].v[k] = e;
                 }
             }
             MaxSum<A> ms;
             ms.m = m;
-            ms.s = group_reduce<TPR, C, 1, THREADS>(s, SumOp());
+            if constexpr (C == 1) {
+                ms.s = group_reduce<TPR, C, 1, THREADS>(s, SumOp(), it);
+            } else {
+                ms.s = s;
+                ms = group_reduce<TPR, C, 1, THREADS>(ms, MaxSumOp(), it);
+            }
+            // the row maximum (across a cluster mz is this thread's own), 0 for a row of -inf
+            const A gz = (ms.m == neg_inf<A>()) ? A(0) : ms.m;
             A et = A(0);  // cross-entropy: the target's term (0 without a target)
             if constexpr (OP == OP_CE) {
-                if (!ignored && !bad) et = exp_row<T>(xt - mz);
+                if (!ignored && !bad) et = exp_row<T>(xt - gz);
                 s = ms.s;  // the others' sum
                 ms.s += et;
             }
             if constexpr (TPR <= 32 && OP == OP_CE) __syncwarp();
             if constexpr (OP == OP_SOFTMAX) {
+                // mz is the row maximum here (the max was reduced first), except for a row of
+                // -inf, where the kept exps are 0 and 0 * (1 / 0) gives NaN, as before
                 const A inv = A(1) / ms.s;
 #pragma unroll
                 for (int j = 0; j < NV; ++j) {
                     A f[V];
                     unpack<T, V>(a[j], f);
 #pragma unroll
-                    for (int k = 0; k < V; ++k) f[k] = exp_row<T>(f[k] - ms.m) * inv;
+                    for (int k = 0; k < V; ++k)
+                        f[k] = (KEEP_EXP ? f[k] : exp_row<T>(f[k] - ms.m)) * inv;
                     pack<T, V>(f, a[j]);
                 }
             } else if constexpr (OP == OP_LOG_SOFTMAX) {
@@ -200,7 +224,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                         for (int k = 0; k < V; ++k)
                             if (CL_VALID(j, k)) sx += f[k] - ms.m;
                     }
-                    sx = group_reduce<TPR, C, 2, THREADS>(sx, SumOp());
+                    sx = group_reduce<TPR, C, 2, THREADS>(sx, SumOp(), it);
                 }
                 if (stat_thread) {
                     // not from the rounded lse: a confident row's loss (below half an ulp of
@@ -210,13 +234,17 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if (ignored) loss = A(0);
                     else if (bad) loss = quiet_nan<A>();
                     else {
-                        loss = (A(1) - eps) * (et == A(1) ? log1p_acc(s) : ls - (xt - mz));
+                        loss = (A(1) - eps) * (et == A(1) ? log1p_acc(s) : ls - (xt - gz));
                         if (eps > A(0)) loss += eps * (ls - sx * n_inv);
                     }
                     reinterpret_cast<A*>(p.loss)[row] = loss;
                     if (p.st0) reinterpret_cast<A*>(p.st0)[row] = ms.m + ls;
                 }
                 if (p.out0) {
+                    if constexpr (sizeof(T) == 2) {
+#pragma unroll
+                        for (int j = 0; j < NV; ++j) launder(a[j]);
+                    }
                     const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);
                     const A inv = A(1) / ms.s;
                     const A sm = eps * n_inv;
@@ -274,7 +302,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                             s1 += ((unsigned)(e0 + k) < (unsigned)cols) ? f[k] - x0 : A(0);
                     }
                 }
-                mean = x0 + group_reduce<TPR, C, 0, THREADS>(s1, SumOp()) / (A)cols;
+                mean = x0 + group_reduce<TPR, C, 0, THREADS>(s1, SumOp(), it) / (A)cols;
             }
             A s2 = A(0), sd = A(0);  // sums of d * d and (layer_norm) of d
 #pragma unroll
@@ -302,13 +330,13 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 Sum2<A> acc;
                 acc.a = sd;
                 acc.b = s2;
-                acc = group_reduce<TPR, C, 1, THREADS>(acc, SumOp());
+                acc = group_reduce<TPR, C, 1, THREADS>(acc, SumOp(), it);
                 const A dm = acc.a * n_inv;
                 mean += dm;
                 s2 = acc.b - acc.a * dm;  // sum of (x - mean)^2 about the new mean
                 if (s2 < A(0)) s2 = A(0);  // rounding; a NaN stays NaN
             } else {
-                s2 = group_reduce<TPR, C, 1, THREADS>(s2, SumOp());
+                s2 = group_reduce<TPR, C, 1, THREADS>(s2, SumOp(), it);
             }
             const A rstd = rsqrt_acc(s2 * n_inv + (A)p.eps);
             if (stat_thread) {
@@ -321,16 +349,21 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             for (int j = 0; j < NV; ++j) {
                 const int e0 = (sbase + j * TPR) * V - head;
                 A wv[V], f[V];
-                load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
                 unpack<T, V>(a[j], f);
                 if constexpr (OP == OP_LN) {  // the rms norms have no bias
+                    load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
                     A bv[V];  // no bias: -0, which adds nothing (a -0 result stays -0, as torch)
                     load_wslot<T, V>(bv, p, p.b, e0, cols, -A(0));
 #pragma unroll
                     for (int k = 0; k < V; ++k) f[k] = (f[k] - mean) * rstd * wv[k] + bv[k];
                 } else {
 #pragma unroll
-                    for (int k = 0; k < V; ++k) f[k] = f[k] * rstd * wv[k];
+                    for (int k = 0; k < V; ++k) f[k] *= rstd;
+                    if (p.w) {  // no neutral fill and multiply by 1 without a weight
+                        load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
+#pragma unroll
+                        for (int k = 0; k < V; ++k) f[k] *= wv[k];
+                    }
                 }
                 pack<T, V>(f, a[j]);
                 store_slot<T, V>(yal, a[j], sbase + j * TPR, e0, cols, active);
@@ -346,7 +379,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
                 for (int k = 0; k < V; ++k) d += (OP == OP_SOFTMAX_BWD ? f[k] : A(1)) * g[k];
             }
-            d = group_reduce<TPR, C, 0, THREADS>(d, SumOp());
+            d = group_reduce<TPR, C, 0, THREADS>(d, SumOp(), it);
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 A f[V], g[V];
@@ -380,7 +413,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if constexpr (OP == OP_LN_BWD) dba[j * V + k] += g[k];
                 }
             }
-            acc = group_reduce<TPR, C, 0, THREADS>(acc, SumOp());
+            acc = group_reduce<TPR, C, 0, THREADS>(acc, SumOp(), it);
             const A c1 = OP == OP_LN_BWD ? acc.a * n_inv : A(0), c2 = acc.b * n_inv;
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
@@ -408,6 +441,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #undef CL_E
 #undef CL_VALID
     }
+    // the peers may still be reading this block's last partial (group_reduce)
+    if constexpr (C > 1) cluster_sync();
     if constexpr (BWD_W) {
         // this group's partial column sums: row blockIdx.x * RPB + group of part0 / part1
         const T* x0 = row_ptr<const T>(p.in0, p, 0, 0);
@@ -449,13 +484,14 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_pipe_kernel(const
 // One row per cluster of C blocks (sm_90 and newer; an empty kernel when compiled for older
 // GPUs, where the host never launches it).
 template <typename T, int OP, int THREADS, int NV, int C>
-__global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1) row_cluster_kernel(const RowArgs p) {
+__global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) row_cluster_kernel(const RowArgs p) {
 #if CL_HAS_CLUSTER
     row_reg<T, OP, THREADS, THREADS, NV, C>(p);
 #endif
 }
 
-// The pipelined form of the cluster kernel (persistent clusters; sm_90).
+// The pipelined form of the cluster kernel (persistent clusters; sm_90): 16-bit rms_norm only
+// (_rowcore.cluster_piped).
 template <typename T, int OP, int THREADS, int NV, int C>
 __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1) row_cluster_pipe_kernel(const RowArgs p) {
 #if CL_HAS_CLUSTER

@@ -10,7 +10,8 @@ This script rewrites the lines between the markers from the ``cupylab-bench`` JS
 (``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
 ``mixed.json``, ``rowwise_*.json``, the before/after pairs ``groups_before.json`` /
 ``groups_after.json``, ``bwd16_before.json`` / ``bwd16_after.json`` and
-``fwdlean_before.json`` / ``fwdlean_after.json``), the Dask example's
+``fwdlean_before.json`` / ``fwdlean_after.json``, ``cluster_{bf16,rms16,fp32}_before.json`` /
+``cluster_{bf16,rms16,fp32}_after.json``), the Dask example's
 ``dask.json``, the training example's ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``,
 the multi-tensor bench's ``multi_tensor.json`` and the command file, and leaves every other
 line (the prose) alone. The per-case tables are formatted by :mod:`cupylab.bench._report`, the
@@ -64,6 +65,12 @@ FILES = {  # stored file -> what it holds
     "bwd16_before.json": "the same cases in the same session, before them (719585f)",
     "fwdlean_after.json": "16-bit row-wise forwards, the rms norms without a bias (aa6062e)",
     "fwdlean_before.json": "the same cases in the same session, before it (2f72e91)",
+    "cluster_bf16_after.json": "long bfloat16 rows on the reworked cluster kernels (H100)",
+    "cluster_bf16_before.json": "the same cases in the same run, before them (59dde87)",
+    "cluster_rms16_after.json": "16-bit rms_norm on the reworked cluster kernels (H100)",
+    "cluster_rms16_before.json": "the same cases in the same run, before them (59dde87)",
+    "cluster_fp32_after.json": "float32 rows on the reworked cluster kernels (H100)",
+    "cluster_fp32_before.json": "the same cases in the same run, before them (59dde87)",
 }
 
 
@@ -339,6 +346,8 @@ TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "rowwise-groups-ab": _ab("groups_before.json", "groups_after.json"),
           "rowwise-bwd16-ab": _ab("bwd16_before.json", "bwd16_after.json"),
           "rowwise-fwdlean-ab": _ab("fwdlean_before.json", "fwdlean_after.json"),
+          **{f"rowwise-cluster-{x}-ab": _ab(f"cluster_{x}_before.json", f"cluster_{x}_after.json")
+             for x in ("bf16", "rms16", "fp32")},
           "train-b64": _train(TRAIN_B64), "multi-tensor": t_mt,
           **{f"rowwise-{x}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 

@@ -31,8 +31,10 @@ def test_args_struct_size():
     (1000, 0, 90, (128, 32, 4, 1)), (1024, 0, 90, (128, 32, 4, 1)),
     (1025, 0, 90, (128, 64, 4, 1)), (2048, 0, 90, (128, 64, 4, 1)),
     (2049, 0, 90, (128, 128, 4, 1)), (8192, 0, 90, (256, 256, 4, 1)),
-    (32768, 0, 90, (1024, 1024, 4, 1)), (65536, 0, 90, (1024, 1024, 4, 2)),
-    (131072, 0, 90, (1024, 1024, 4, 4)), (262144, 0, 90, (1024, 1024, 4, 8)),
+    (32768, 0, 90, (1024, 1024, 4, 1)), (32769, 0, 90, (512, 512, 4, 4)),
+    (65536, 0, 90, (512, 512, 4, 4)), (128256, 0, 90, (512, 512, 4, 8)),
+    (131072, 0, 90, (512, 512, 4, 8)), (131073, 0, 90, (1024, 1024, 4, 8)),
+    (262144, 0, 90, (1024, 1024, 4, 8)),
     (262144, 1, 90, None), (262144, None, 90, None), (65536, 0, 80, None),
     (1024, None, 90, (128, 64, 4, 1)),  # rows with varying heads need room for V - 1 more
 ])
@@ -40,8 +42,23 @@ def test_choose_forward_bf16(cols, head, cc, expect):
     assert rc.choose(0, BF16, cols, True, head, cc) == expect
 
 
+def test_choose_rms_norm_16_bit_cluster_class():
+    # 16-bit rms_norm keeps two 1,024-thread blocks up to 65,536 elements; the others take four
+    # 512-thread blocks there; float32 rms_norm too
+    for cols in (32769, 65536):
+        assert rc.choose(2, BF16, cols, True, 0, 90) == (1024, 1024, 4, 2)
+        assert rc.choose(3, BF16, cols, True, 0, 90) == (512, 512, 4, 4)
+        assert rc.choose(4, BF16, cols, True, 0, 90) == (512, 512, 4, 4)
+    assert rc.choose(2, BF16, 65537, True, 0, 90) == (512, 512, 4, 8)
+    assert rc.choose(2, F32, 32768, True, 0, 90) == (512, 512, 4, 4)
+    names = rc.name_expressions("norm", BF16)
+    assert "cl::row_cluster_kernel<cl::bf16_t, 2, 1024, 4, 2>" in names
+    assert "cl::row_cluster_kernel<cl::bf16_t, 2, 512, 4, 4>" not in names
+
+
 def test_choose_generic_cases():
     assert rc.choose(0, BF16, 100, False, 0, 90) is None  # strided last axis
+    assert rc.choose(0, F32, 65536, True, 0, 90) == (512, 512, 4, 8)
     assert rc.choose(0, F32, 131072, True, 0, 90) == (1024, 1024, 4, 8)
     assert rc.choose(0, F32, 131073, True, 0, 90) is None
     assert rc.choose(0, F64, 65536, True, 0, 90) == (1024, 1024, 4, 8)
@@ -69,6 +86,7 @@ def test_choose_generic_cases():
 def test_grid_for():
     assert rc.grid_for(0, (128, 4, 1, 1), 199, 132) == (7, 0)  # 32 rows per block
     assert rc.grid_for(0, (1024, 1024, 4, 8), 3, 132) == (24, 0)  # one cluster per row
+    assert rc.grid_for(5, (512, 512, 4, 4), 8192, 132) == (32768, 0)
     assert rc.grid_for(0, None, 5, 132) == (5, 0)
     g, parts = rc.grid_for(13, (128, 32, 2, 1), 100000, 132)
     assert g == 132 * 8 and parts == g * 4
@@ -81,10 +99,12 @@ def test_pipe_plan(monkeypatch):
     assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) == (528, 49152)
     assert rc.pipe_plan(1, F32, (128, 32, 4, 1), 32768, 132, 232448, 90) == (1056, 24576)
     assert rc.pipe_plan(3, F32, (1024, 1024, 4, 1), 100, 132, 232448, 90) == (100, 196608)
+    assert rc.pipe_plan(3, F32, (1024, 1024, 4, 1), 1000, 132, 232448, 90) == (132, 196608)
     assert rc.pipe_plan(4, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) is None  # add_rms_norm
     # the backwards stage both row operands: twice the shared memory of a one-input op
     assert rc.pipe_plan(12, BF16, (128, 64, 2, 1), 32768, 132, 232448, 90) == (1056, 24576)
     assert rc.pipe_plan(10, BF16, (1024, 1024, 2, 1), 50, 132, 232448, 90) == (50, 196608)
+    assert rc.pipe_plan(10, BF16, (1024, 1024, 2, 1), 500, 132, 232448, 90) == (132, 196608)
     # ... for 16-bit dtypes only (float32 backwards measured slower piped)
     assert rc.pipe_plan(12, F32, (128, 64, 2, 1), 32768, 132, 232448, 90) is None
     assert rc.pipe_plan(11, F32, (1024, 1024, 2, 1), 50, 132, 232448, 90) is None
@@ -92,9 +112,18 @@ def test_pipe_plan(monkeypatch):
     # no cp.async below compute capability 8.0: the plain register kernels
     assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 40, 65536, 75) is None
     assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 108, 166912, 80) == (324, 49152)
-    # 32 clusters
-    assert rc.pipe_plan(0, F32, (1024, 1024, 4, 4), 8192, 132, 232448, 90) == (128, 196608)
-    assert rc.pipe_plan(5, F32, (1024, 1024, 4, 8), 3, 132, 232448, 90) == (24, 196608)
+    # cluster rows take the plain cluster kernel (one cluster a row)
+    assert rc.pipe_plan(0, F32, (512, 512, 4, 4), 8192, 132, 232448, 90) is None
+    assert rc.pipe_plan(5, BF16, (512, 512, 4, 8), 3, 132, 232448, 90) is None
+    # ... except 16-bit rms_norm on two blocks: persistent clusters, as many as fit in groups of
+    # 16 SMs
+    assert rc.pipe_plan(2, BF16, (1024, 1024, 4, 2), 1024, 132, 232448, 90) == (128, 196608)
+    assert rc.pipe_plan(2, BF16, (1024, 1024, 4, 2), 5, 132, 232448, 90) == (10, 196608)
+    assert rc.pipe_plan(2, F32, (512, 512, 4, 4), 1024, 132, 232448, 90) is None
+    assert "row_cluster_pipe_kernel<" in rc.kernel_name(2, BF16, (1024, 1024, 4, 2), True)
+    assert rc.pipe_plan(2, BF16, (512, 512, 4, 8), 1024, 132, 232448, 90) is None
+    with pytest.raises(AssertionError):
+        rc.kernel_name(0, BF16, (512, 512, 4, 4), True)
     assert rc.pipe_plan(0, F32, (1024, 1024, 4, 1), 8, 132, 101376, 90) is None  # too little smem
     monkeypatch.setenv("CUPYLAB_ROWWISE_PIPELINE", "0")
     assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) is None
@@ -139,7 +168,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 726
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 668
 
 
 def test_errors_need_no_gpu():
@@ -345,7 +374,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 726
+    assert n == 668
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():

@@ -18,7 +18,8 @@ TOL = {"float16": (4e-3, 4e-3), "bfloat16": (2e-2, 2e-2), "float32": (2e-5, 2e-5
 
 # (rows, cols): every class of the ladder, the generic fallback, empty
 SHAPES = [(0, 33), (1, 1), (199, 1), (199, 3), (199, 31), (199, 32), (199, 33), (199, 127),
-          (199, 1000), (99, 2000), (60, 4097), (5, 65537), (2, 262144)]
+          (199, 1000), (99, 2000), (60, 4097), (3, 12000), (3, 20000), (7, 40000), (5, 65537),
+          (2, 262144)]  # 12000 and 20000: the 4-block cluster class of float64 and float32
 SHAPES_BIG = [(1, 300000)]  # beyond every register class: the generic kernel
 
 
@@ -160,6 +161,34 @@ def test_softmax_special_values():
         got = to_host(cupylab.log_softmax(x)).astype(np.float64)
         assert np.all(np.isnan(got[1]))
         assert got[0, 1] == -np.inf and np.isfinite(got[0, 0])
+
+
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_cluster_rows_combine_max_and_sum_pairs(dt):
+    """Cluster rows (40,000 columns: 4 or 8 blocks a row) reduce (max, sum) pairs across the
+    blocks in one step: a block whose part of the row is all -inf adds nothing, an all -inf
+    row gives NaN (like torch), a NaN or +inf anywhere makes the row NaN, and the values,
+    losses and gradients match float64 elsewhere."""
+    rng = np.random.default_rng(11)
+    h = (rng.standard_normal((6, 40000)) * 4).astype(np_dtype(dt))
+    h[1, :20000] = -np.inf  # the first blocks' parts: no finite value
+    h[2, :] = -np.inf
+    h[3, 39999] = np.nan
+    h[4, 5] = np.inf
+    h[5, 30000] = 80.0  # one large logit in a late block: it sets the row's maximum
+    x = cupy_from_host(h)
+    ok = [0, 1, 5]
+    for op in ("softmax", "log_softmax"):
+        got = to_host(getattr(cupylab, op)(x)).astype(np.float64)
+        assert np.isnan(got[[2, 3, 4]]).all(), op
+        check(got[ok], R.ROWWISE_REFERENCES[op](h[ok]), dt, what=op)
+    t = np.array([7, 25000, 3, 4, 30000, 30000])
+    loss, g = cupylab.cross_entropy(x, cupy_from_host(t), reduction="none", return_grad=True)
+    loss, g = to_host(loss), to_host(g).astype(np.float64)
+    assert np.isnan(loss[[2, 3, 4]]).all()
+    rl, _, rg = R.ROWWISE_REFERENCES["cross_entropy"](h[ok], t[ok])
+    check(loss[ok], rl, "float32", 10, "ce loss")
+    check(g[ok], rg, dt, 1, "ce grad")
 
 
 @pytest.mark.parametrize("dt", ["float32", "bfloat16"])
@@ -498,10 +527,13 @@ def test_rms_weight_alignment(rows, cols, dt, layout, wshift):
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 @pytest.mark.parametrize("layout", ["contig", "offset"])
-@pytest.mark.parametrize("rows,cols", [(20000, 33), (3000, 1000), (1500, 8192), (70001, 5)])
+@pytest.mark.parametrize("rows,cols", [(20000, 33), (3000, 1000), (1500, 8192), (70001, 5),
+                                       (300, 40000)])
 def test_many_rows_per_block(rows, cols, dt, layout):
     """Persistent grids: each block (or cluster) walks several rows through the cp.async
-    pipeline; offset views give rows whose heads differ (partial 16-byte words)."""
+    pipeline; offset views give rows whose heads differ (partial 16-byte words). 300 x 40000:
+    more rows than resident clusters (16-bit rms_norm's persistent two-block clusters, the
+    other ops' plain cluster kernels)."""
     rng = np.random.default_rng(rows)
     h, x = make(rng, "cupy", rows, cols, dt, layout)
     check(cupylab.softmax(x), R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")

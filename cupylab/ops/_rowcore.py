@@ -35,9 +35,17 @@ BWD_W = (12, 13)
 #: (threads, threads per row, 16-byte vectors per thread, cluster size), smallest first. The
 #: 64-threads-a-row classes (two rows a block) keep rows between the 32- and 128-thread classes
 #: from half-filling a 128-thread row: every thread computes all of its vectors, empty or not.
+#: The cluster classes use 512-thread blocks up to 16,384 slots, so that two blocks (of two
+#: rows) share an SM under the same 64-register cap: one block's loads go on while the
+#: other waits at its cluster barrier.
 FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
               (128, 128, 4, 1), (256, 256, 4, 1), (512, 512, 4, 1), (1024, 1024, 4, 1),
-              (1024, 1024, 4, 2), (1024, 1024, 4, 4), (1024, 1024, 4, 8))
+              (512, 512, 4, 4), (512, 512, 4, 8), (1024, 1024, 4, 8))
+#: 16-bit rms_norm (one reduction a row, so one cluster barrier either way) keeps two
+#: 1,024-thread blocks up to 65,536 elements: H100, bf16 1024x65536, 118 us against 137-142 us
+#: on four 512-thread blocks (the other ops gained 2-4 % from those, float32 rows 1.45-1.87x)
+RMS16_FWD_LADDER = tuple((1024, 1024, 4, 2) if c == (512, 512, 4, 4) else c
+                         for c in FWD_LADDER)
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
               (128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
@@ -68,6 +76,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def ladder(op, dt):
+    if dt.itemsize == 2 and op == 2:
+        return RMS16_FWD_LADDER
     if dt.itemsize == 2 and op == 12:
         return RMS16_BWD_LADDER
     if dt.itemsize == 2 and op == 13:
@@ -78,6 +88,15 @@ def ladder(op, dt):
 def piped(op, dt):
     """Whether ``op`` on ``dt`` has the persistent pipelined kernels (row_pipe_kernel)."""
     return op in PIPE_OPS or (op in PIPE16_OPS and dt.itemsize == 2)
+
+
+def cluster_piped(op, dt, cls):
+    """Whether the cluster class ``cls`` of ``op`` on ``dt`` is pipelined (persistent clusters,
+    row_cluster_pipe_kernel): only 16-bit rms_norm on two 1,024-thread blocks (H100, bf16
+    1024x65536: 115.6 us piped, 140.1 us plain). The plain cluster kernel was as fast or faster
+    for the other ops and for 16-bit rms_norm on 8-block clusters (bf16 8192x128256: 2,682 us
+    piped, 2,243 us plain)."""
+    return op == 2 and dt.itemsize == 2 and cls[:3] == (1024, 1024, 4) and cls[3] == 2
 
 
 def group_of(op):
@@ -97,6 +116,7 @@ def kernel_name(op, dt, cls, pipe=False):
         return f"cl::row_generic<{dt.ctype}, {op}>"
     th, tpr, nv, c = cls
     if pipe and c > 1:
+        assert cluster_piped(op, dt, cls), "no pipelined cluster kernel for this class"
         return f"cl::row_cluster_pipe_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
     if pipe:
         return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
@@ -110,7 +130,8 @@ def name_expressions(group, dt):
     for op in GROUPS[group]:
         names += [kernel_name(op, dt, cls) for cls in ladder(op, dt)] + [kernel_name(op, dt, None)]
         if piped(op, dt):
-            names += [kernel_name(op, dt, cls, True) for cls in ladder(op, dt)]
+            names += [kernel_name(op, dt, cls, True) for cls in ladder(op, dt)
+                      if cls[3] == 1 or cluster_piped(op, dt, cls)]
     a = acc_dtype(dt)
     if group == "ce":
         names.append(f"cl::ce_aux<{a.ctype}>")
@@ -468,11 +489,14 @@ ARGS_SIZE = struct.calcsize("@" + ARGS_FMT)
 def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
     """``(grid, dynamic shared memory)`` of the persistent pipelined kernel for ``cls``, or
     None when it does not apply (other ops, compute capability below 8.0 (no ``cp.async``),
-    too little shared memory, the ``CUPYLAB_ROWWISE_PIPELINE=0`` switch). Persistent grids
-    never exceed what is resident at once (an SM's shared memory is the per-block opt-in
-    maximum plus the 1 KiB the driver reserves: 228 KiB on sm_90, 164 KiB on sm_80); cluster
-    grids assume clusters are placed within groups of 16 SMs (H100/H200 GPCs hold 16-18)."""
+    too little shared memory, the ``CUPYLAB_ROWWISE_PIPELINE=0`` switch, cluster classes other
+    than :func:`cluster_piped`'s). Persistent grids never exceed what is resident at once (an
+    SM's shared memory is the per-block opt-in maximum plus the 1 KiB the driver reserves:
+    228 KiB on sm_90, 164 KiB on sm_80); cluster grids assume clusters are placed within groups
+    of 16 SMs (H100/H200 GPCs hold 16-18)."""
     if cls is None or cc < 80 or not piped(op, dt):
+        return None
+    if cls[3] > 1 and not cluster_piped(op, dt, cls):
         return None
     if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") == "0":
         return None
