@@ -93,10 +93,10 @@ def piped(op, dt):
 def cluster_piped(op, dt, cls):
     """Whether the cluster class ``cls`` of ``op`` on ``dt`` is pipelined (persistent clusters,
     row_cluster_pipe_kernel): only 16-bit rms_norm on two 1,024-thread blocks (H100, bf16
-    1024x65536: 115.6 us piped, 140.1 us plain). The plain cluster kernel was as fast or faster
+    1024x65536: 105.5 us piped, 140.1 us plain). The plain cluster kernel was as fast or faster
     for the other ops and for 16-bit rms_norm on 8-block clusters (bf16 8192x128256: 2,682 us
-    piped, 2,243 us plain)."""
-    return op == 2 and dt.itemsize == 2 and cls[:3] == (1024, 1024, 4) and cls[3] == 2
+    piped, 2,243 us plain; docs/perf.md, "Long rows")."""
+    return op == 2 and dt.itemsize == 2 and cls == (1024, 1024, 4, 2)
 
 
 def group_of(op):
