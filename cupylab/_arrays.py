@@ -350,10 +350,25 @@ def view_from_capsule(capsule, obj, what="array") -> View:
 
 
 def _dlpack_stream_arg(stream):
-    # The consumer passes the stream it will use; 0 is forbidden in DLPack (legacy is 1).
+    # The consumer passes the stream it will use; 0 is forbidden in DLPack (legacy is 1). A
+    # stream being captured into a CUDA graph gets -1, "no synchronization": the producer's
+    # wait (an event of its own stream) cannot be part of the graph and would end the capture;
+    # its work must be finished before capturing, as for a CAI v3 producer (README, "Streams").
     if stream is None or stream == 0:
         return 1
+    if stream != 1 and _capturing(stream):
+        return -1
     return stream
+
+
+def _capturing(stream) -> bool:
+    """Whether ``stream`` is being captured (False when the runtime cannot say)."""
+    from . import _runtime  # noqa: PLC0415 - only the DLPack path asks
+
+    try:
+        return _runtime.cupy().cuda.runtime.streamIsCapturing(stream) != 0
+    except Exception:  # noqa: BLE001 - no GPU, or a handle the runtime refuses
+        return False
 
 
 def _from_dlpack(obj, what, stream, kind="dlpack"):

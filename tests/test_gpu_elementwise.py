@@ -635,6 +635,28 @@ def test_prepare(fw):
     np.testing.assert_allclose(to_f64(to_host(c3())), 2.0, rtol=0)  # float32 * 2 into float64
 
 
+def test_graph_helper_with_jax_inputs():
+    """JAX arrays (DLPack producers) read inside a capture: the capture stream is passed to
+    JAX as -1 (no synchronization), so JAX adds no wait on an event of its own stream, which
+    would end the capture. Their data is ready before the capture, as the README asks."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng()
+    ha, hb = host_data(rng, (4099,), "float32"), host_data(rng, (4099,), "float32")
+    a, b = jnp.asarray(ha), jnp.asarray(hb)
+    a.block_until_ready()
+    b.block_until_ready()
+    d = empty_poisoned("cupy", (4099,), "float32")
+    cupylab.fused_add_mul(a, b, 2.0, out=d)  # warm-up: compile and load outside the capture
+    g = cupylab.Graph()
+    with g.capture():
+        cupylab.fused_add_mul(a, b, 2.0, out=d)
+    d[...] = 0.0
+    g.replay()
+    np.testing.assert_allclose(to_f64(to_host(d)), (to_f64(ha) + to_f64(hb)) * 2, rtol=1e-6)
+
+
 @pytest.mark.parametrize("fw", ["cupy", "torch"])
 def test_graph_helper(fw):
     if fw == "torch":

@@ -1,10 +1,11 @@
 """The normaliser against real protocol objects made in the test (no GPU needed)."""
 import gc
+import types
 
 import numpy as np
 import pytest
 
-from cupylab import _arrays, _dtypes
+from cupylab import _arrays, _dtypes, _runtime
 from cupylab._arrays import as_view, view_from_cai
 
 from conftest import FakeCAI, FakeDLPack
@@ -115,6 +116,27 @@ def test_dlpack_legacy_stream_zero_becomes_one():
     p = FakeDLPack((4,), versioned=False)
     as_view(p, stream=0)
     assert p.asked_stream == 1  # 0 is forbidden in DLPack; the legacy default stream is 1
+
+
+@pytest.mark.parametrize("capturing, asked", [({77}, -1), (set(), 77), (None, 77)])
+def test_dlpack_capturing_stream_asks_for_no_synchronization(monkeypatch, capturing, asked):
+    """A launch stream being captured into a CUDA graph is passed on as -1 (DLPack's "no
+    synchronization"): the producer's event wait would end the capture. None: the runtime
+    cannot answer (no GPU), so the stream is passed as it is."""
+    def is_capturing(s):
+        if capturing is None:
+            raise RuntimeError("no GPU")
+        return int(s in capturing)
+
+    rt = types.SimpleNamespace(streamIsCapturing=is_capturing)
+    monkeypatch.setattr(_runtime, "cupy",
+                        lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt)))
+    p = FakeDLPack((4,))
+    as_view(p, stream=77)
+    assert p.asked_stream == asked
+    q = FakeDLPack((4,))
+    as_view(q, stream=None)
+    assert q.asked_stream == 1  # the legacy default stream is never asked about
 
 
 def test_dlpack_bfloat16_strides_offset_readonly():
