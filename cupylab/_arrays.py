@@ -363,12 +363,13 @@ def _dlpack_stream_arg(stream):
 
 def _capturing(stream) -> bool:
     """Whether ``stream`` is being captured (False when the runtime cannot say)."""
-    from . import _runtime  # noqa: PLC0415 - only the DLPack path asks
+    from . import _launch, _runtime  # noqa: PLC0415 - only the DLPack path asks
 
     try:
-        return _runtime.cupy().cuda.runtime.streamIsCapturing(stream) != 0
-    except Exception:  # noqa: BLE001 - no GPU, or a handle the runtime refuses
+        rt = _runtime.cupy().cuda.runtime
+    except Exception:  # noqa: BLE001 - no usable GPU: nothing is being captured
         return False
+    return _launch.capturing(rt, stream, unknown=False)
 
 
 def _from_dlpack(obj, what, stream, kind="dlpack"):
