@@ -122,7 +122,7 @@ def test_pipe_plan(monkeypatch):
     assert rc.pipe_plan(2, F32, (512, 512, 4, 4), 1024, 132, 232448, 90) is None
     assert "row_cluster_pipe_kernel<" in rc.kernel_name(2, BF16, (1024, 1024, 4, 2), True)
     assert rc.pipe_plan(2, BF16, (512, 512, 4, 8), 1024, 132, 232448, 90) is None
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="no pipelined cluster kernel"):
         rc.kernel_name(0, BF16, (512, 512, 4, 4), True)
     assert rc.pipe_plan(0, F32, (1024, 1024, 4, 1), 8, 132, 101376, 90) is None  # too little smem
     monkeypatch.setenv("CUPYLAB_ROWWISE_PIPELINE", "0")

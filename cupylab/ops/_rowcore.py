@@ -116,7 +116,9 @@ def kernel_name(op, dt, cls, pipe=False):
         return f"cl::row_generic<{dt.ctype}, {op}>"
     th, tpr, nv, c = cls
     if pipe and c > 1:
-        assert cluster_piped(op, dt, cls), "no pipelined cluster kernel for this class"
+        if not cluster_piped(op, dt, cls):
+            raise ValueError(f"kernel_name: op {op} on {dt.name} has no pipelined cluster "
+                             f"kernel for class {cls} (see cluster_piped)")
         return f"cl::row_cluster_pipe_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
     if pipe:
         return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
