@@ -491,7 +491,7 @@ __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) ro
 }
 
 // The pipelined form of the cluster kernel (persistent clusters; sm_90): 16-bit rms_norm only
-// (_rowcore.cluster_piped).
+// (_rowcore.pipelined).
 template <typename T, int OP, int THREADS, int NV, int C>
 __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1) row_cluster_pipe_kernel(const RowArgs p) {
 #if CL_HAS_CLUSTER

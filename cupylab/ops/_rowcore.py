@@ -44,8 +44,8 @@ FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
 #: 16-bit rms_norm (one reduction a row, so one cluster barrier either way) keeps two
 #: 1,024-thread blocks up to 65,536 elements: H100, bf16 1024x65536, 118 us against 137-142 us
 #: on four 512-thread blocks (the other ops gained 2-4 % from those, float32 rows 1.45-1.87x)
-RMS16_FWD_LADDER = tuple((1024, 1024, 4, 2) if c == (512, 512, 4, 4) else c
-                         for c in FWD_LADDER)
+RMS16_CLUSTER = (1024, 1024, 4, 2)
+RMS16_FWD_LADDER = tuple(RMS16_CLUSTER if c == (512, 512, 4, 4) else c for c in FWD_LADDER)
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
               (128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
@@ -90,13 +90,16 @@ def piped(op, dt):
     return op in PIPE_OPS or (op in PIPE16_OPS and dt.itemsize == 2)
 
 
-def cluster_piped(op, dt, cls):
-    """Whether the cluster class ``cls`` of ``op`` on ``dt`` is pipelined (persistent clusters,
-    row_cluster_pipe_kernel): only 16-bit rms_norm on two 1,024-thread blocks (H100, bf16
-    1024x65536: 105.5 us piped, 140.1 us plain). The plain cluster kernel was as fast or faster
-    for the other ops and for 16-bit rms_norm on 8-block clusters (bf16 8192x128256: 2,682 us
-    piped, 2,243 us plain; docs/perf.md, "Long rows")."""
-    return op == 2 and dt.itemsize == 2 and cls == (1024, 1024, 4, 2)
+def pipelined(op, dt, cls):
+    """Whether class ``cls`` of ``op`` on ``dt`` has a persistent pipelined kernel: every
+    one-block class of a :func:`piped` op (row_pipe_kernel), and of the cluster classes only
+    16-bit rms_norm's two 1,024-thread blocks (row_cluster_pipe_kernel; H100, bf16 1024x65536:
+    105.5 us piped, 140.1 us plain). The plain cluster kernel was as fast or faster for the
+    other ops and for 16-bit rms_norm on 8-block clusters (bf16 8192x128256: 2,682 us piped,
+    2,243 us plain; docs/perf.md, "Long rows")."""
+    if not piped(op, dt):
+        return False
+    return cls[3] == 1 or (op == 2 and dt.itemsize == 2 and cls == RMS16_CLUSTER)
 
 
 def group_of(op):
@@ -115,12 +118,13 @@ def kernel_name(op, dt, cls, pipe=False):
     if cls is None:
         return f"cl::row_generic<{dt.ctype}, {op}>"
     th, tpr, nv, c = cls
-    if pipe and c > 1:
-        if not cluster_piped(op, dt, cls):
-            raise ValueError(f"kernel_name: op {op} on {dt.name} has no pipelined cluster "
-                             f"kernel for class {cls} (see cluster_piped)")
-        return f"cl::row_cluster_pipe_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
     if pipe:
+        if not pipelined(op, dt, cls):
+            raise ValueError(f"kernel_name: op {op} on {dt.name} has no pipelined "
+                             f"{'cluster ' if c > 1 else ''}kernel for class {cls} (see "
+                             "pipelined)")
+        if c > 1:
+            return f"cl::row_cluster_pipe_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
         return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
     if c > 1:
         return f"cl::row_cluster_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
@@ -131,9 +135,8 @@ def name_expressions(group, dt):
     names = []
     for op in GROUPS[group]:
         names += [kernel_name(op, dt, cls) for cls in ladder(op, dt)] + [kernel_name(op, dt, None)]
-        if piped(op, dt):
-            names += [kernel_name(op, dt, cls, True) for cls in ladder(op, dt)
-                      if cls[3] == 1 or cluster_piped(op, dt, cls)]
+        names += [kernel_name(op, dt, cls, True) for cls in ladder(op, dt)
+                  if pipelined(op, dt, cls)]
     a = acc_dtype(dt)
     if group == "ce":
         names.append(f"cl::ce_aux<{a.ctype}>")
@@ -491,14 +494,12 @@ ARGS_SIZE = struct.calcsize("@" + ARGS_FMT)
 def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
     """``(grid, dynamic shared memory)`` of the persistent pipelined kernel for ``cls``, or
     None when it does not apply (other ops, compute capability below 8.0 (no ``cp.async``),
-    too little shared memory, the ``CUPYLAB_ROWWISE_PIPELINE=0`` switch, cluster classes other
-    than :func:`cluster_piped`'s). Persistent grids never exceed what is resident at once (an
+    too little shared memory, the ``CUPYLAB_ROWWISE_PIPELINE=0`` switch, classes without one:
+    :func:`pipelined`). Persistent grids never exceed what is resident at once (an
     SM's shared memory is the per-block opt-in maximum plus the 1 KiB the driver reserves:
     228 KiB on sm_90, 164 KiB on sm_80); cluster grids assume clusters are placed within groups
     of 16 SMs (H100/H200 GPCs hold 16-18)."""
-    if cls is None or cc < 80 or not piped(op, dt):
-        return None
-    if cls[3] > 1 and not cluster_piped(op, dt, cls):
+    if cls is None or cc < 80 or not pipelined(op, dt, cls):
         return None
     if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") == "0":
         return None
