@@ -377,6 +377,11 @@ def _from_dlpack(obj, what, stream, kind="dlpack"):
     if int(dev[0]) not in (DL_CUDA, DL_CUDA_MANAGED):
         raise _host_error(what, obj)
     s = _dlpack_stream_arg(stream)
+    if s == -1 and kind == "jax":
+        # JAX takes any stream it is given as a handle to wait on (-1 fails with "invalid
+        # resource handle"); given None it waits on the host until the buffer is ready and
+        # puts nothing on a stream, which leaves the capture intact.
+        s = None
     try:
         cap = obj.__dlpack__(stream=s, max_version=(1, 1))
     except TypeError:  # a producer from before DLPack 1.0 knows no max_version

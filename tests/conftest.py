@@ -132,9 +132,12 @@ def sim(monkeypatch):
 
     import types
 
-    from cupylab import _kfast, _launch, _runtime
+    from cupylab import _arrays, _kfast, _launch, _runtime
 
     rec = {"launches": [], "waits": []}
+    # the pretend streams are made-up numbers: never ask a real runtime about them (on a GPU
+    # machine cudaStreamIsCapturing would dereference one)
+    monkeypatch.setattr(_arrays, "_capturing", lambda stream: False)
     monkeypatch.setattr(_runtime, "pointer_device", lambda ptr: 0)
     monkeypatch.setattr(_runtime, "current_device", lambda: 0)
     monkeypatch.setattr(_runtime, "device_info", lambda d: _SimInfo())

@@ -636,9 +636,10 @@ def test_prepare(fw):
 
 
 def test_graph_helper_with_jax_inputs():
-    """JAX arrays (DLPack producers) read inside a capture: the capture stream is passed to
-    JAX as -1 (no synchronization), so JAX adds no wait on an event of its own stream, which
-    would end the capture. Their data is ready before the capture, as the README asks."""
+    """JAX arrays (DLPack producers) read inside a capture: JAX is asked for no stream (None:
+    it waits on the host; it takes DLPack's -1 for a handle), so it adds no wait on an event of
+    its own stream, which would end the capture. Their data is ready before the capture, as
+    the README asks."""
     pytest.importorskip("jax")
     import jax.numpy as jnp
 

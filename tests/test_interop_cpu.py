@@ -104,7 +104,8 @@ def test_cai_dtypes(typestr, name):
 
 
 # -- DLPack ----------------------------------------------------------------------------------
-def test_dlpack_versioned_basic_and_stream_passed():
+def test_dlpack_versioned_basic_and_stream_passed(monkeypatch):
+    monkeypatch.setattr(_arrays, "_capturing", lambda stream: False)  # 77 is a made-up stream
     p = FakeDLPack((2, 3), code=2, bits=32)
     v = as_view(p, stream=77)
     assert p.asked_stream == 77
@@ -137,6 +138,19 @@ def test_dlpack_capturing_stream_asks_for_no_synchronization(monkeypatch, captur
     q = FakeDLPack((4,))
     as_view(q, stream=None)
     assert q.asked_stream == 1  # the legacy default stream is never asked about
+
+
+@pytest.mark.parametrize("capturing, asked", [(True, None), (False, 77)])
+def test_jax_is_asked_for_no_stream_while_capturing(monkeypatch, capturing, asked):
+    """JAX takes -1 for a stream handle and fails; while the launch stream is captured it is
+    given None instead (it then waits on the host and puts nothing on a stream)."""
+    monkeypatch.setattr(_arrays, "_capturing", lambda stream: capturing)
+    p = FakeDLPack((4,))
+    v = _arrays._from_dlpack(p, "f: x", 77, "jax")
+    assert p.asked_stream == asked and v.kind == "jax"
+    q = FakeDLPack((4,))
+    _arrays._from_dlpack(q, "f: x", 77)
+    assert q.asked_stream == (-1 if capturing else 77)  # other producers get DLPack's -1
 
 
 def test_dlpack_bfloat16_strides_offset_readonly():

@@ -368,7 +368,11 @@ def streams(monkeypatch):
 
     st = types.SimpleNamespace(capturing=set(), waits=[], uploads=[], done=set())
     rt = types.SimpleNamespace(streamWaitEvent=lambda s, ev, flags: st.waits.append((s, ev, flags)),
-                               eventQuery=lambda ev: 0 if ev in st.done else 600)
+                               eventQuery=lambda ev: 0 if ev in st.done else 600,
+                               eventDestroy=lambda ev: None)
+    # the pretend uploads park here when they die, not among the real ones, which a later GPU
+    # test in the same process releases with the real runtime
+    monkeypatch.setattr(P, "_parked", collections.deque())
     monkeypatch.setattr(_runtime, "cupy", lambda: types.SimpleNamespace(
         cuda=types.SimpleNamespace(runtime=rt)))
     monkeypatch.setattr(P, "capturing", lambda r, s: s in st.capturing)
@@ -379,7 +383,8 @@ def streams(monkeypatch):
 
     monkeypatch.setattr(P, "_upload_plan", upload)
     st.rt = rt
-    return st
+    yield st
+    gc.collect()  # plans kept by a cycle park their pretend uploads before _parked is restored
 
 
 def _plan(stream, rt=None):
