@@ -154,11 +154,14 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
                 for (int j = 0; j < NV; ++j) launder(a[j]);
             }
-            // softmax of float32 / float64 rows keeps each exp(x - max) in the row's registers
-            // (the same type: nothing is rounded) for the output pass, instead of computing
-            // the accurate exp twice; 16-bit rows would round it, so they compute it again
-            // (single-block rows only: across a cluster mz is this thread's own maximum)
+            // softmax keeps each exp(x - max) for the output pass instead of computing the
+            // accurate exp twice: float32 / float64 rows in the row's own registers (the same
+            // type: nothing is rounded), 16-bit rows in float registers of their own (the
+            // packed halves would round it). Single-block rows only: across a cluster mz is
+            // this thread's own maximum.
             constexpr bool KEEP_EXP = OP == OP_SOFTMAX && IsSame<T, A>::value && C == 1;
+            constexpr bool KEEP_EXP_F = OP == OP_SOFTMAX && !IsSame<T, A>::value && C == 1;
+            A ek[KEEP_EXP_F ? NV : 1][KEEP_EXP_F ? V : 1];
             A s = A(0);
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
@@ -170,6 +173,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if constexpr (OP == OP_CE) s += (j * TPR * V + k == tt) ? A(0) : e;
                     else s += e;
                     if constexpr (KEEP_EXP) a[j].v[k] = e;
+                    if constexpr (KEEP_EXP_F) ek[j][k] = e;
                 }
             }
             MaxSum<A> ms;
@@ -196,10 +200,15 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
                 for (int j = 0; j < NV; ++j) {
                     A f[V];
-                    unpack<T, V>(a[j], f);
+                    if constexpr (KEEP_EXP_F) {
 #pragma unroll
-                    for (int k = 0; k < V; ++k)
-                        f[k] = (KEEP_EXP ? f[k] : exp_row<T>(f[k] - ms.m)) * inv;
+                        for (int k = 0; k < V; ++k) f[k] = ek[j][k] * inv;
+                    } else {
+                        unpack<T, V>(a[j], f);
+#pragma unroll
+                        for (int k = 0; k < V; ++k)
+                            f[k] = (KEEP_EXP ? f[k] : exp_row<T>(f[k] - ms.m)) * inv;
+                    }
                     pack<T, V>(f, a[j]);
                 }
             } else if constexpr (OP == OP_LOG_SOFTMAX) {

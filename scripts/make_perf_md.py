@@ -11,7 +11,8 @@ This script rewrites the lines between the markers from the ``cupylab-bench`` JS
 ``mixed.json``, ``rowwise_*.json``, the before/after pairs ``groups_before.json`` /
 ``groups_after.json``, ``bwd16_before.json`` / ``bwd16_after.json`` and
 ``fwdlean_before.json`` / ``fwdlean_after.json``, ``cluster_{bf16,rms16,fp32}_before.json`` /
-``cluster_{bf16,rms16,fp32}_after.json``), the Dask example's
+``cluster_{bf16,rms16,fp32}_after.json``, ``kexp16_before.json`` / ``kexp16_after.json``),
+the Dask example's
 ``dask.json``, the training example's ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``,
 the multi-tensor bench's ``multi_tensor.json`` and the command file, and leaves every other
 line (the prose) alone. The per-case tables are formatted by :mod:`cupylab.bench._report`, the
@@ -71,6 +72,8 @@ FILES = {  # stored file -> what it holds
     "cluster_rms16_before.json": "the same cases in the same run, before them (59dde87)",
     "cluster_fp32_after.json": "float32 rows on the reworked cluster kernels (H100)",
     "cluster_fp32_before.json": "the same cases in the same run, before them (59dde87)",
+    "kexp16_after.json": "16-bit softmax of one-block rows keeping its exps (H100)",
+    "kexp16_before.json": "the same cases in the same run, before it (a392f87)",
 }
 
 
@@ -348,6 +351,7 @@ TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "rowwise-fwdlean-ab": _ab("fwdlean_before.json", "fwdlean_after.json"),
           **{f"rowwise-cluster-{x}-ab": _ab(f"cluster_{x}_before.json", f"cluster_{x}_after.json")
              for x in ("bf16", "rms16", "fp32")},
+          "rowwise-kexp16-ab": _ab("kexp16_before.json", "kexp16_after.json"),
           "train-b64": _train(TRAIN_B64), "multi-tensor": t_mt,
           **{f"rowwise-{x}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 
