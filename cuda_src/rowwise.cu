@@ -154,13 +154,13 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
                 for (int j = 0; j < NV; ++j) launder(a[j]);
             }
-            // softmax keeps each exp(x - max) for the output pass instead of computing the
+            // softmax keeps each exp(x - mz) for the output pass instead of computing the
             // accurate exp twice: float32 / float64 rows in the row's own registers (the same
             // type: nothing is rounded), 16-bit rows in float registers of their own (the
-            // packed halves would round it). Single-block rows only: across a cluster mz is
-            // this thread's own maximum.
-            constexpr bool KEEP_EXP = OP == OP_SOFTMAX && IsSame<T, A>::value && C == 1;
-            constexpr bool KEEP_EXP_F = OP == OP_SOFTMAX && !IsSame<T, A>::value && C == 1;
+            // packed halves would round it). Across a cluster mz is this thread's own maximum:
+            // the output scales the kept exps by exp(mz - row maximum).
+            constexpr bool KEEP_EXP = OP == OP_SOFTMAX && IsSame<T, A>::value;
+            constexpr bool KEEP_EXP_F = OP == OP_SOFTMAX && !IsSame<T, A>::value;
             A ek[KEEP_EXP_F ? NV : 1][KEEP_EXP_F ? V : 1];
             A s = A(0);
 #pragma unroll
@@ -194,20 +194,25 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
             if constexpr (TPR <= 32 && OP == OP_CE) __syncwarp();
             if constexpr (OP == OP_SOFTMAX) {
-                // mz is the row maximum here (the max was reduced first), except for a row of
-                // -inf, where the kept exps are 0 and 0 * (1 / 0) gives NaN, as before
+                // In one block mz is the row maximum (the max was reduced first), except for a
+                // row of -inf, where the kept exps are 0 and 0 * (1 / 0) gives NaN, as torch.
+                // Across a cluster the kept exps are scaled by exp(mz - gz) <= 1, and by 0 for
+                // a thread whose elements are all -inf (exp(0 - gz) could overflow); a row of
+                // -inf still gives 0 * (0 * (1 / 0)) = NaN.
                 const A inv = A(1) / ms.s;
+                A mul = inv;
+                if constexpr (C > 1) mul = (m == neg_inf<A>() ? A(0) : exp_row<T>(mz - gz)) * inv;
 #pragma unroll
                 for (int j = 0; j < NV; ++j) {
                     A f[V];
                     if constexpr (KEEP_EXP_F) {
 #pragma unroll
-                        for (int k = 0; k < V; ++k) f[k] = ek[j][k] * inv;
+                        for (int k = 0; k < V; ++k) f[k] = ek[j][k] * mul;
                     } else {
                         unpack<T, V>(a[j], f);
 #pragma unroll
                         for (int k = 0; k < V; ++k)
-                            f[k] = (KEEP_EXP ? f[k] : exp_row<T>(f[k] - ms.m)) * inv;
+                            f[k] = (KEEP_EXP ? f[k] : exp_row<T>(f[k] - ms.m)) * mul;
                     }
                     pack<T, V>(f, a[j]);
                 }

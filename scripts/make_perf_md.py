@@ -11,7 +11,8 @@ This script rewrites the lines between the markers from the ``cupylab-bench`` JS
 ``mixed.json``, ``rowwise_*.json``, the before/after pairs ``groups_before.json`` /
 ``groups_after.json``, ``bwd16_before.json`` / ``bwd16_after.json`` and
 ``fwdlean_before.json`` / ``fwdlean_after.json``, ``cluster_{bf16,rms16,fp32}_before.json`` /
-``cluster_{bf16,rms16,fp32}_after.json``, ``kexp16_before.json`` / ``kexp16_after.json``),
+``cluster_{bf16,rms16,fp32}_after.json``, ``kexp16_before.json`` / ``kexp16_after.json``, ``ckexp_before.json`` /
+``ckexp_after.json``),
 the Dask example's
 ``dask.json``, the training example's ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``,
 the multi-tensor bench's ``multi_tensor.json`` and the command file, and leaves every other
@@ -74,6 +75,8 @@ FILES = {  # stored file -> what it holds
     "cluster_fp32_before.json": "the same cases in the same run, before them (59dde87)",
     "kexp16_after.json": "16-bit softmax of one-block rows keeping its exps (H100)",
     "kexp16_before.json": "the same cases in the same run, before it (a392f87)",
+    "ckexp_after.json": "softmax of cluster rows keeping its exps (H100)",
+    "ckexp_before.json": "the same cases in the same run, before it (3adb1f4)",
 }
 
 
@@ -352,6 +355,7 @@ TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           **{f"rowwise-cluster-{x}-ab": _ab(f"cluster_{x}_before.json", f"cluster_{x}_after.json")
              for x in ("bf16", "rms16", "fp32")},
           "rowwise-kexp16-ab": _ab("kexp16_before.json", "kexp16_after.json"),
+          "rowwise-ckexp-ab": _ab("ckexp_before.json", "ckexp_after.json"),
           "train-b64": _train(TRAIN_B64), "multi-tensor": t_mt,
           **{f"rowwise-{x}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 
