@@ -80,6 +80,12 @@ __device__ __forceinline__ void launder(Vec<T, V>& v) {
 #pragma unroll
     for (int i = 0; i < (int)(sizeof(Vec<T, V>) / 4); ++i) asm volatile("" : "+r"(w[i]));
 }
+// ... every vector of a thread's row
+template <typename T, int V, int NV>
+__device__ __forceinline__ void launder(Vec<T, V> (&a)[NV]) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) launder(a[j]);
+}
 template <typename T, int V, typename A>
 __device__ __forceinline__ void pack(const A (&f)[V], Vec<T, V>& v) {
 #pragma unroll

@@ -150,10 +150,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             const A mz = (m == neg_inf<A>()) ? A(0) : m;
             // cross-entropy keeps more values live (target, loss terms) than the softmaxes:
             // for 16-bit rows the unpacked halves kept from the first pass spilled (ptxas)
-            if constexpr (OP == OP_CE && sizeof(T) == 2) {
-#pragma unroll
-                for (int j = 0; j < NV; ++j) launder(a[j]);
-            }
+            if constexpr (OP == OP_CE && sizeof(T) == 2) launder(a);
             // softmax keeps each exp(x - mz) for the output pass instead of computing the
             // accurate exp twice: float32 / float64 rows in the row's own registers (the same
             // type: nothing is rounded), 16-bit rows in float registers of their own (the
@@ -208,11 +205,10 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if constexpr (KEEP_EXP_F) {
 #pragma unroll
                         for (int k = 0; k < V; ++k) f[k] = ek[j][k] * mul;
-                    } else {
+                    } else {  // KEEP_EXP: the exps are the row's registers
                         unpack<T, V>(a[j], f);
 #pragma unroll
-                        for (int k = 0; k < V; ++k)
-                            f[k] = (KEEP_EXP ? f[k] : exp_row<T>(f[k] - ms.m)) * mul;
+                        for (int k = 0; k < V; ++k) f[k] *= mul;
                     }
                     pack<T, V>(f, a[j]);
                 }
@@ -255,10 +251,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if (p.st0) reinterpret_cast<A*>(p.st0)[row] = ms.m + ls;
                 }
                 if (p.out0) {
-                    if constexpr (sizeof(T) == 2) {
-#pragma unroll
-                        for (int j = 0; j < NV; ++j) launder(a[j]);
-                    }
+                    if constexpr (sizeof(T) == 2) launder(a);
                     const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);
                     const A inv = A(1) / ms.s;
                     const A sm = eps * n_inv;

@@ -349,7 +349,14 @@ def view_from_capsule(capsule, obj, what="array") -> View:
     return View(ptr, shape, strides, d, dev_id, readonly, None, "dlpack", obj, owner)
 
 
-def _dlpack_stream_arg(stream):
+# What a producer is asked for while the launch stream is being captured, where it is not
+# DLPack's -1: JAX takes any stream it is given as a handle to wait on (-1 fails with "invalid
+# resource handle"); given None it waits on the host until the buffer is ready and puts
+# nothing on a stream, which leaves the capture intact.
+_CAPTURE_STREAM_ARG = {"jax": None}
+
+
+def _dlpack_stream_arg(stream, kind):
     # The consumer passes the stream it will use; 0 is forbidden in DLPack (legacy is 1). A
     # stream being captured into a CUDA graph gets -1, "no synchronization": the producer's
     # wait (an event of its own stream) cannot be part of the graph and would end the capture;
@@ -357,7 +364,7 @@ def _dlpack_stream_arg(stream):
     if stream is None or stream == 0:
         return 1
     if stream != 1 and _capturing(stream):
-        return -1
+        return _CAPTURE_STREAM_ARG.get(kind, -1)
     return stream
 
 
@@ -376,12 +383,7 @@ def _from_dlpack(obj, what, stream, kind="dlpack"):
     dev = obj.__dlpack_device__()
     if int(dev[0]) not in (DL_CUDA, DL_CUDA_MANAGED):
         raise _host_error(what, obj)
-    s = _dlpack_stream_arg(stream)
-    if s == -1 and kind == "jax":
-        # JAX takes any stream it is given as a handle to wait on (-1 fails with "invalid
-        # resource handle"); given None it waits on the host until the buffer is ready and
-        # puts nothing on a stream, which leaves the capture intact.
-        s = None
+    s = _dlpack_stream_arg(stream, kind)
     try:
         cap = obj.__dlpack__(stream=s, max_version=(1, 1))
     except TypeError:  # a producer from before DLPack 1.0 knows no max_version

@@ -8,13 +8,9 @@ Every table in docs/perf.md sits between two marker comments::
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
 (``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
-``mixed.json``, ``rowwise_*.json``, the before/after pairs ``groups_before.json`` /
-``groups_after.json``, ``bwd16_before.json`` / ``bwd16_after.json`` and
-``fwdlean_before.json`` / ``fwdlean_after.json``, ``cluster_{bf16,rms16,fp32}_before.json`` /
-``cluster_{bf16,rms16,fp32}_after.json``, ``kexp16_before.json`` / ``kexp16_after.json``, ``ckexp_before.json`` /
-``ckexp_after.json``),
-the Dask example's
-``dask.json``, the training example's ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``,
+``mixed.json``, ``rowwise_*.json``, the A/B pairs ``<x>_before.json`` / ``<x>_after.json``
+(table ``rowwise-<x>-ab``, underscores as dashes), the Dask example's ``dask.json``, the
+training example's ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``,
 the multi-tensor bench's ``multi_tensor.json`` and the command file, and leaves every other
 line (the prose) alone. The per-case tables are formatted by :mod:`cupylab.bench._report`, the
 same code that prints them on the command line.
@@ -215,6 +211,8 @@ t_fusion = _results("fusion.json")
 t_mixed = _results("mixed.json")
 # rowwise_<x>.json of FILES -> table rowwise-<x>
 ROWWISE = tuple(f[len("rowwise_"):-len(".json")] for f in FILES if f.startswith("rowwise_"))
+# <x>_after.json of FILES (with its <x>_before.json) -> table rowwise-<x>-ab
+AB = tuple(f[:-len("_after.json")] for f in FILES if f.endswith("_after.json"))
 
 
 def _ab(before, after):
@@ -349,13 +347,8 @@ TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "fusion": t_fusion,
           "repeats": t_repeats, "host": t_host, "graphs": t_graphs, "mixed": t_mixed,
           "dask": t_dask, "train": _train(TRAIN),
-          "rowwise-groups-ab": _ab("groups_before.json", "groups_after.json"),
-          "rowwise-bwd16-ab": _ab("bwd16_before.json", "bwd16_after.json"),
-          "rowwise-fwdlean-ab": _ab("fwdlean_before.json", "fwdlean_after.json"),
-          **{f"rowwise-cluster-{x}-ab": _ab(f"cluster_{x}_before.json", f"cluster_{x}_after.json")
-             for x in ("bf16", "rms16", "fp32")},
-          "rowwise-kexp16-ab": _ab("kexp16_before.json", "kexp16_after.json"),
-          "rowwise-ckexp-ab": _ab("ckexp_before.json", "ckexp_after.json"),
+          **{f"rowwise-{x.replace('_', '-')}-ab": _ab(f"{x}_before.json", f"{x}_after.json")
+             for x in AB},
           "train-b64": _train(TRAIN_B64), "multi-tensor": t_mt,
           **{f"rowwise-{x}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 
