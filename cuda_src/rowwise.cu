@@ -158,6 +158,10 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             // the output scales the kept exps by exp(mz - row maximum).
             constexpr bool KEEP_EXP = OP == OP_SOFTMAX && IsSame<T, A>::value;
             constexpr bool KEEP_EXP_F = OP == OP_SOFTMAX && !IsSame<T, A>::value;
+            // cross-entropy on float32 rows keeps them too when the gradient is written
+            // without label smoothing (the only later use of x): one exp an element, not two
+            constexpr bool CE_KEEP = OP == OP_CE && IsSame<T, float>::value;
+            const bool keep = CE_KEEP && p.out0 && !((A)p.smooth > A(0));
             A ek[KEEP_EXP_F ? NV : 1][KEEP_EXP_F ? V : 1];
             A s = A(0);
 #pragma unroll
@@ -170,6 +174,9 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if constexpr (OP == OP_CE) s += (j * TPR * V + k == tt) ? A(0) : e;
                     else s += e;
                     if constexpr (KEEP_EXP) a[j].v[k] = e;
+                    if constexpr (CE_KEEP) {
+                        if (keep) a[j].v[k] = e;
+                    }
                     if constexpr (KEEP_EXP_F) ek[j][k] = e;
                 }
             }
@@ -251,18 +258,32 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if (p.st0) reinterpret_cast<A*>(p.st0)[row] = ms.m + ls;
                 }
                 if (p.out0) {
-                    if constexpr (sizeof(T) == 2) launder(a);
+                    // (across a cluster the row is reloaded after the reduction: laundering
+                    // it again there made bfloat16 spill)
+                    if constexpr (sizeof(T) == 2 && C == 1) launder(a);
                     const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);
                     const A inv = A(1) / ms.s;
                     const A sm = eps * n_inv;
                     const A hit = A(1) - eps;
+                    // kept exps: scaled as softmax's (by exp(own max - row max) across a
+                    // cluster, 0 for a thread of -inf)
+                    A kmul = A(1);
+                    if constexpr (CE_KEEP && C > 1)
+                        kmul = m == neg_inf<A>() ? A(0) : exp_row<T>(mz - gz);
 #pragma unroll
                     for (int j = 0; j < NV; ++j) {
-                        A f[V];
+                        A f[V], e[V];
                         unpack<T, V>(a[j], f);
+                        if (keep) {
+#pragma unroll
+                            for (int k = 0; k < V; ++k) e[k] = f[k] * kmul;
+                        } else {
+#pragma unroll
+                            for (int k = 0; k < V; ++k) e[k] = exp_row<T>(f[k] - ms.m);
+                        }
 #pragma unroll
                         for (int k = 0; k < V; ++k) {
-                            A g = exp_row<T>(f[k] - ms.m) * inv - sm;
+                            A g = e[k] * inv - sm;
                             if (j * TPR * V + k == tt) g -= hit;
                             f[k] = g * scale;
                             if (ignored) f[k] = A(0);

@@ -164,28 +164,35 @@ def test_softmax_special_values():
 
 
 @pytest.mark.parametrize("dt", ["float32", "bfloat16"])
-def test_cluster_rows_combine_max_and_sum_pairs(dt):
+@pytest.mark.parametrize("cols", [40000, 3000])  # 4 or 8 blocks a row; one block
+def test_cluster_rows_combine_max_and_sum_pairs(dt, cols):
     """Cluster rows (40,000 columns: 4 or 8 blocks a row) reduce (max, sum) pairs across the
     blocks in one step: a block whose part of the row is all -inf adds nothing, an all -inf
     row gives NaN (like torch), a NaN or +inf anywhere makes the row NaN, and the values,
-    losses and gradients match float64 elsewhere."""
+    losses and gradients match float64 elsewhere. The same rows in one block (3,000 columns)
+    behave the same. Softmax and cross-entropy keep each element's exp (relative to the
+    thread's own maximum across a cluster) for the output: the -inf parts must come out 0 and
+    the NaN rows NaN in the gradient too."""
     rng = np.random.default_rng(11)
-    h = (rng.standard_normal((6, 40000)) * 4).astype(np_dtype(dt))
-    h[1, :20000] = -np.inf  # the first blocks' parts: no finite value
+    big = cols * 3 // 4
+    h = (rng.standard_normal((6, cols)) * 4).astype(np_dtype(dt))
+    h[1, :cols // 2] = -np.inf  # the first blocks' parts: no finite value
     h[2, :] = -np.inf
-    h[3, 39999] = np.nan
+    h[3, cols - 1] = np.nan
     h[4, 5] = np.inf
-    h[5, 30000] = 80.0  # one large logit in a late block: it sets the row's maximum
+    h[5, big] = 80.0  # one large logit in a late block: it sets the row's maximum
     x = cupy_from_host(h)
     ok = [0, 1, 5]
     for op in ("softmax", "log_softmax"):
         got = to_host(getattr(cupylab, op)(x)).astype(np.float64)
         assert np.isnan(got[[2, 3, 4]]).all(), op
         check(got[ok], R.ROWWISE_REFERENCES[op](h[ok]), dt, what=op)
-    t = np.array([7, 25000, 3, 4, 30000, 30000])
+    t = np.array([7, cols * 5 // 8, 3, 4, big, big])
     loss, g = cupylab.cross_entropy(x, cupy_from_host(t), reduction="none", return_grad=True)
     loss, g = to_host(loss), to_host(g).astype(np.float64)
     assert np.isnan(loss[[2, 3, 4]]).all()
+    assert np.isnan(g[[2, 3, 4]]).all()
+    assert (g[1, :cols // 2] == 0).all()
     rl, _, rg = R.ROWWISE_REFERENCES["cross_entropy"](h[ok], t[ok])
     check(loss[ok], rl, "float32", 10, "ce loss")
     check(g[ok], rg, dt, 1, "ce grad")
