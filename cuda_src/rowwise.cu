@@ -518,8 +518,8 @@ __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) ro
 #endif
 }
 
-// The pipelined form of the cluster kernel (persistent clusters; sm_90): 16-bit rms_norm only
-// (_rowcore.pipelined).
+// The pipelined form of the cluster kernel (persistent clusters; sm_90): the two-block class
+// of the 16-bit softmax, log_softmax, rms_norm and layer_norm (_rowcore.pipelined).
 template <typename T, int OP, int THREADS, int NV, int C>
 __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1) row_cluster_pipe_kernel(const RowArgs p) {
 #if CL_HAS_CLUSTER

@@ -31,8 +31,8 @@ def test_args_struct_size():
     (1000, 0, 90, (128, 32, 4, 1)), (1024, 0, 90, (128, 32, 4, 1)),
     (1025, 0, 90, (128, 64, 4, 1)), (2048, 0, 90, (128, 64, 4, 1)),
     (2049, 0, 90, (128, 128, 4, 1)), (8192, 0, 90, (256, 256, 4, 1)),
-    (32768, 0, 90, (1024, 1024, 4, 1)), (32769, 0, 90, (512, 512, 4, 4)),
-    (65536, 0, 90, (512, 512, 4, 4)), (128256, 0, 90, (512, 512, 4, 8)),
+    (32768, 0, 90, (1024, 1024, 4, 1)), (32769, 0, 90, (1024, 1024, 4, 2)),
+    (65536, 0, 90, (1024, 1024, 4, 2)), (128256, 0, 90, (512, 512, 4, 8)),
     (131072, 0, 90, (512, 512, 4, 8)), (131073, 0, 90, (1024, 1024, 4, 8)),
     (262144, 0, 90, (1024, 1024, 4, 8)),
     (262144, 1, 90, None), (262144, None, 90, None), (65536, 0, 80, None),
@@ -42,18 +42,27 @@ def test_choose_forward_bf16(cols, head, cc, expect):
     assert rc.choose(0, BF16, cols, True, head, cc) == expect
 
 
-def test_choose_rms_norm_16_bit_cluster_class():
-    # 16-bit rms_norm keeps two 1,024-thread blocks up to 65,536 elements; the others take four
-    # 512-thread blocks there; float32 rms_norm too
+def test_choose_16_bit_two_block_cluster_class():
+    # 16-bit softmax, log_softmax, rms_norm and layer_norm keep two 1,024-thread blocks (a
+    # persistent pipeline) up to 65,536 elements; add_rms_norm and cross-entropy take four
+    # 512-thread blocks there; float32 rows too
     for cols in (32769, 65536):
-        assert rc.choose(2, BF16, cols, True, 0, 90) == (1024, 1024, 4, 2)
-        assert rc.choose(3, BF16, cols, True, 0, 90) == (512, 512, 4, 4)
-        assert rc.choose(4, BF16, cols, True, 0, 90) == (512, 512, 4, 4)
+        for op in (0, 1, 2, 3):
+            assert rc.choose(op, BF16, cols, True, 0, 90) == (1024, 1024, 4, 2)
+            assert rc.pipelined(op, BF16, (1024, 1024, 4, 2))
+        for op in (4, 5):
+            assert rc.choose(op, BF16, cols, True, 0, 90) == (512, 512, 4, 4)
+        assert rc.choose(0, F32, (cols + 1) // 2, True, 0, 90) == (512, 512, 4, 4)
     assert rc.choose(2, BF16, 65537, True, 0, 90) == (512, 512, 4, 8)
-    assert rc.choose(2, F32, 32768, True, 0, 90) == (512, 512, 4, 4)
+    assert not rc.pipelined(0, BF16, (512, 512, 4, 8))
     names = rc.name_expressions("norm", BF16)
     assert "cl::row_cluster_kernel<cl::bf16_t, 2, 1024, 4, 2>" in names
+    assert "cl::row_cluster_pipe_kernel<cl::bf16_t, 3, 1024, 4, 2>" in names
     assert "cl::row_cluster_kernel<cl::bf16_t, 2, 512, 4, 4>" not in names
+    assert "cl::row_cluster_kernel<cl::bf16_t, 4, 512, 4, 4>" in names
+    names = rc.name_expressions("softmax", BF16)
+    assert "cl::row_cluster_pipe_kernel<cl::bf16_t, 0, 1024, 4, 2>" in names
+    assert "cl::row_cluster_kernel<cl::bf16_t, 1, 512, 4, 4>" not in names
 
 
 def test_choose_generic_cases():
@@ -168,7 +177,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 668
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 674
 
 
 def test_errors_need_no_gpu():
@@ -374,7 +383,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 668
+    assert n == 674
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():

@@ -41,11 +41,16 @@ BWD_W = (12, 13)
 FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
               (128, 128, 4, 1), (256, 256, 4, 1), (512, 512, 4, 1), (1024, 1024, 4, 1),
               (512, 512, 4, 4), (512, 512, 4, 8), (1024, 1024, 4, 8))
-#: 16-bit rms_norm (one reduction a row, so one cluster barrier either way) keeps two
-#: 1,024-thread blocks up to 65,536 elements: H100, bf16 1024x65536, 118 us against 137-142 us
-#: on four 512-thread blocks (the other ops gained 2-4 % from those, float32 rows 1.45-1.87x)
-RMS16_CLUSTER = (1024, 1024, 4, 2)
-RMS16_FWD_LADDER = tuple(RMS16_CLUSTER if c == (512, 512, 4, 4) else c for c in FWD_LADDER)
+#: 16-bit softmax, log_softmax, rms_norm and layer_norm keep two 1,024-thread blocks up to
+#: 65,536 elements, as a persistent cluster pipeline (row_cluster_pipe_kernel): H100, bf16
+#: 1024x65536 rms_norm 105.5 us against 137-142 us on four plain 512-thread blocks; softmax,
+#: log_softmax and layer_norm 1.11-1.20x there, 1.05-1.11x at 2048x49152, 0.96-1.04x at
+#: 4096x40000 (two rounds, scripts/bench_ab.sh). add_rms_norm and cross-entropy keep the four
+#: blocks (cross-entropy spills on two and measured 0.91-1.01x; float32 rows 1.45-1.87x
+#: faster on four 512-thread blocks than on the earlier 1,024-thread ones)
+CLUSTER16 = (1024, 1024, 4, 2)
+CLUSTER16_OPS = (0, 1, 2, 3)
+CLUSTER16_FWD_LADDER = tuple(CLUSTER16 if c == (512, 512, 4, 4) else c for c in FWD_LADDER)
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
               (128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
@@ -76,8 +81,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def ladder(op, dt):
-    if dt.itemsize == 2 and op == 2:
-        return RMS16_FWD_LADDER
+    if dt.itemsize == 2 and op in CLUSTER16_OPS:
+        return CLUSTER16_FWD_LADDER
     if dt.itemsize == 2 and op == 12:
         return RMS16_BWD_LADDER
     if dt.itemsize == 2 and op == 13:
@@ -93,13 +98,14 @@ def piped(op, dt):
 def pipelined(op, dt, cls):
     """Whether class ``cls`` of ``op`` on ``dt`` has a persistent pipelined kernel: every
     one-block class of a :func:`piped` op (row_pipe_kernel), and of the cluster classes only
-    16-bit rms_norm's two 1,024-thread blocks (row_cluster_pipe_kernel; H100, bf16 1024x65536:
-    105.5 us piped, 140.1 us plain). The plain cluster kernel was as fast or faster for the
-    other ops and for 16-bit rms_norm on 8-block clusters (bf16 8192x128256: 2,682 us piped,
-    2,243 us plain; docs/perf.md, "Long rows")."""
+    the two 1,024-thread blocks of :data:`CLUSTER16` (row_cluster_pipe_kernel; H100, bf16
+    1024x65536 rms_norm: 105.5 us piped, 140.1 us plain). The plain cluster kernel was faster
+    on the 4- and 8-block clusters of every op (H100, 2026-12-05, all ops piped on the 512- and
+    1,024-thread cluster classes: bf16 1024x65536 and 8192x128256 0.79-0.97x, float32
+    1024x65536 0.72-0.79x; docs/perf.md, "Long rows")."""
     if not piped(op, dt):
         return False
-    return cls[3] == 1 or (op == 2 and dt.itemsize == 2 and cls == RMS16_CLUSTER)
+    return cls[3] == 1 or (op in CLUSTER16_OPS and dt.itemsize == 2 and cls == CLUSTER16)
 
 
 def group_of(op):
