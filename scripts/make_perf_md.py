@@ -73,6 +73,12 @@ FILES = {  # stored file -> what it holds
     "kexp16_before.json": "the same cases in the same run, before it (a392f87)",
     "ckexp_after.json": "softmax of cluster rows keeping its exps (H100)",
     "ckexp_before.json": "the same cases in the same run, before it (3adb1f4)",
+    "celaunder_after.json": "long 16-bit rows, cross-entropy's cluster kernels without spills (H100)",
+    "celaunder_before.json": "the same cases in the same run, before it (816b484)",
+    "cekeep_after.json": "float32 cross-entropy keeping its exps (H100)",
+    "cekeep_before.json": "the same cases in the same run, before it (816b484 + celaunder)",
+    "cluster16_after.json": "16-bit forwards on two piped 1,024-thread blocks up to 65,536 (H100)",
+    "cluster16_before.json": "the same cases in the same run, before it (celaunder + cekeep)",
 }
 
 
