@@ -675,6 +675,26 @@ def test_eager_row_wise_backward_raises_when_differentiated_again(cpu_kernels, o
         gx.pow(2).sum().backward()
 
 
+@pytest.mark.parametrize("op", ["softmax_backward", "log_softmax_backward", "rms_norm_backward",
+                                "layer_norm_backward"])
+def test_registered_backward_operators_raise_when_differentiated(cpu_kernels, op):
+    """The registered backward operators have no derivative: differentiating through one
+    raises (torch would otherwise only warn and give no gradient)."""
+    x = _g(4, 6, dtype=torch.float64)
+    dy = _g(4, 6, dtype=torch.float64, seed=2)
+    w = _g(6, dtype=torch.float64, seed=1)
+    st = torch.ones(4, dtype=torch.float64)
+    args = {"softmax_backward": (torch.softmax(x, -1), dy, -1),
+            "log_softmax_backward": (torch.log_softmax(x, -1), dy, -1),
+            "rms_norm_backward": (dy, x, w, st),
+            "layer_norm_backward": (dy, x, w, st * 0, st)}[op]
+    out = getattr(torch.ops.cupylab, op)(*args)
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    assert first.requires_grad
+    with pytest.raises(RuntimeError, match=f"cupylab::{op} has no derivative"):
+        first.sum().backward()
+
+
 @pytest.mark.parametrize("op", ["add", "subtract", "multiply", "divide", "fused_add_mul",
                                 "fused_add_mul_scalar"])
 def test_eager_elementwise_double_backward_matches_torch(cpu_kernels, op):
