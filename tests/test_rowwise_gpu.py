@@ -539,8 +539,9 @@ def test_rms_weight_alignment(rows, cols, dt, layout, wshift):
 def test_many_rows_per_block(rows, cols, dt, layout):
     """Persistent grids: each block (or cluster) walks several rows through the cp.async
     pipeline; offset views give rows whose heads differ (partial 16-byte words). 300 x 40000:
-    more rows than resident clusters (16-bit rms_norm's persistent two-block clusters, the
-    other ops' plain cluster kernels)."""
+    more rows than resident clusters (the persistent two-block clusters of 16-bit softmax,
+    log_softmax, rms_norm and layer_norm; the plain cluster kernels of cross-entropy and of
+    float32)."""
     rng = np.random.default_rng(rows)
     h, x = make(rng, "cupy", rows, cols, dt, layout)
     check(cupylab.softmax(x), R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")
