@@ -5,6 +5,7 @@ autograd formulas and their wiring (gradcheck in float64 through both the eager 
 the registered operator, with the kernels replaced by torch implementations on the CPU),
 torch.compile(fullgraph=True) tracing of a small model (aot_eager backend, no graph break, no
 recompilation), argument errors, and that ``import cupylab`` does not import torch."""
+import shutil
 import subprocess
 import sys
 
@@ -507,6 +508,28 @@ def test_compile_fullgraph_no_graph_break_no_recompile(cpu_kernels):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     names = {c[0] for c in cpu_kernels}
     assert {"softmax_backward", "rms_norm_backward", "layer_norm_backward"} <= names
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="Inductor on the CPU compiles C++")
+def test_compile_inductor_lowers_the_registered_operators(cpu_kernels):
+    """Inductor, not only AOT autograd, takes a block of every registered row-wise and
+    elementwise operator (each a fallback kernel around torch's own generated code), forward
+    and backward, with the results and gradients of eager mode."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Block()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    x, r = torch.randn(8, 16), torch.randn(8, 16)
+    t = torch.randint(0, 11, (8,))
+    got = _run_block(compiled, x, r, t)
+    want = _run_block(model, x, r, t)
+    torch.testing.assert_close(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+    names = {c[0] for c in cpu_kernels}
+    assert {"cross_entropy", "softmax_backward", "rms_norm_backward",
+            "layer_norm_backward"} <= names
 
 
 def test_compile_dynamic_batch_one_graph(cpu_kernels):
