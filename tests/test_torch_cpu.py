@@ -5,9 +5,11 @@ autograd formulas and their wiring (gradcheck in float64 through both the eager 
 the registered operator, with the kernels replaced by torch implementations on the CPU),
 torch.compile(fullgraph=True) tracing of a small model (aot_eager backend, no graph break, no
 recompilation), argument errors, and that ``import cupylab`` does not import torch."""
+import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -510,8 +512,14 @@ def test_compile_fullgraph_no_graph_break_no_recompile(cpu_kernels):
     assert {"softmax_backward", "rms_norm_backward", "layer_norm_backward"} <= names
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                    reason="Inductor on the CPU compiles C++")
+def _can_build_cpp():
+    """Inductor on the CPU compiles C++ against Python's headers."""
+    have_cxx = shutil.which("c++") is not None or shutil.which("g++") is not None
+    return have_cxx and os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+
+
+@pytest.mark.skipif(not _can_build_cpp(), reason="Inductor on the CPU needs a C++ compiler and "
+                    "Python's headers")
 def test_compile_inductor_lowers_the_registered_operators(cpu_kernels):
     """Inductor, not only AOT autograd, takes a block of every registered row-wise and
     elementwise operator (each a fallback kernel around torch's own generated code), forward
