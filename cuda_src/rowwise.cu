@@ -190,6 +190,14 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
             // the row maximum (across a cluster mz is this thread's own), 0 for a row of -inf
             const A gz = (ms.m == neg_inf<A>()) ? A(0) : ms.m;
+            // The kept exps are exp(x - mz). In one block mz is the row maximum (the max was
+            // reduced first), except for a row of -inf, where they are 0 and 0 * (1 / 0)
+            // gives NaN, as torch. Across a cluster mz is this thread's own maximum: they are
+            // scaled by exp(mz - gz) <= 1, and by 0 for a thread whose elements are all -inf
+            // (exp(0 - gz) could overflow); a row of -inf still gives 0 * (0 * (1 / 0)) = NaN.
+            A kscale = A(1);
+            if constexpr (C > 1 && (KEEP_EXP || KEEP_EXP_F || CE_KEEP))
+                kscale = m == neg_inf<A>() ? A(0) : exp_row<T>(mz - gz);
             A et = A(0);  // cross-entropy: the target's term (0 without a target)
             if constexpr (OP == OP_CE) {
                 if (!ignored && !bad) et = exp_row<T>(xt - gz);
@@ -198,14 +206,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
             if constexpr (TPR <= 32 && OP == OP_CE) __syncwarp();
             if constexpr (OP == OP_SOFTMAX) {
-                // In one block mz is the row maximum (the max was reduced first), except for a
-                // row of -inf, where the kept exps are 0 and 0 * (1 / 0) gives NaN, as torch.
-                // Across a cluster the kept exps are scaled by exp(mz - gz) <= 1, and by 0 for
-                // a thread whose elements are all -inf (exp(0 - gz) could overflow); a row of
-                // -inf still gives 0 * (0 * (1 / 0)) = NaN.
-                const A inv = A(1) / ms.s;
-                A mul = inv;
-                if constexpr (C > 1) mul = (m == neg_inf<A>() ? A(0) : exp_row<T>(mz - gz)) * inv;
+                const A mul = kscale * (A(1) / ms.s);
 #pragma unroll
                 for (int j = 0; j < NV; ++j) {
                     A f[V];
@@ -265,18 +266,13 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     const A inv = A(1) / ms.s;
                     const A sm = eps * n_inv;
                     const A hit = A(1) - eps;
-                    // kept exps: scaled as softmax's (by exp(own max - row max) across a
-                    // cluster, 0 for a thread of -inf)
-                    A kmul = A(1);
-                    if constexpr (CE_KEEP && C > 1)
-                        kmul = m == neg_inf<A>() ? A(0) : exp_row<T>(mz - gz);
 #pragma unroll
                     for (int j = 0; j < NV; ++j) {
                         A f[V], e[V];
                         unpack<T, V>(a[j], f);
                         if (keep) {
 #pragma unroll
-                            for (int k = 0; k < V; ++k) e[k] = f[k] * kmul;
+                            for (int k = 0; k < V; ++k) e[k] = f[k] * kscale;
                         } else {
 #pragma unroll
                             for (int k = 0; k < V; ++k) e[k] = exp_row<T>(f[k] - ms.m);

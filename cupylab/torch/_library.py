@@ -190,21 +190,19 @@ def _register(name):
     schema, mutates = SCHEMAS[name]
     qualname = f"{NAMESPACE}::{name}"
     formula = _autograd.FORMULAS.get(name)
-    if mutates:
-        op = torch.library.custom_op(qualname, _impl(name), mutates_args=mutates, schema=schema)
-        op.register_fake(_FAKES[name])
-        if formula is not None:
-            op.register_autograd(_bound(formula[1]), setup_context=formula[0])
-        return getattr(torch.ops.cupylab, name).default
-    LIBRARY.define(name + schema)
-    LIBRARY.impl(name, _impl(name), "CompositeExplicitAutograd")
-    torch.library.register_fake(qualname, _FAKES[name], lib=LIBRARY)
-    # the traced backward calls the registered backward operators (torch.ops.cupylab); an
-    # operator without a formula (the backwards) raises when differentiated, as a custom_op
-    # does (without an autograd kernel torch would only warn and give no gradient)
-    setup, backward = formula if formula is not None else (_no_setup, _no_formula(qualname))
-    torch.library.register_autograd(qualname, _bound(backward), setup_context=setup,
-                                    lib=LIBRARY)
+    if mutates:  # no autograd formula: custom_op raises when it is differentiated
+        torch.library.custom_op(qualname, _impl(name), mutates_args=mutates,
+                                schema=schema).register_fake(_FAKES[name])
+    else:
+        LIBRARY.define(name + schema)
+        LIBRARY.impl(name, _impl(name), "CompositeExplicitAutograd")
+        torch.library.register_fake(qualname, _FAKES[name], lib=LIBRARY)
+        # the traced backward calls the registered backward operators (torch.ops.cupylab); an
+        # operator without a formula (the backwards) raises when differentiated, as a
+        # custom_op does (without an autograd kernel torch would only warn and give none)
+        setup, backward = formula if formula is not None else (_no_setup, _no_formula(qualname))
+        torch.library.register_autograd(qualname, _bound(backward), setup_context=setup,
+                                        lib=LIBRARY)
     return getattr(torch.ops.cupylab, name).default
 
 
