@@ -92,6 +92,22 @@ def test_cache_evicts_when_an_array_dies_and_is_bounded():
     P.cache_clear()
 
 
+def test_cache_bound_drops_the_least_recently_used_plan():
+    P.cache_clear()
+    keep = [_Obj() for _ in range(P.CACHE_SIZE + 1)]
+    first = P.Plan()
+    P.cache_put(("old",), first, [keep[0]])
+    for i in range(1, P.CACHE_SIZE):
+        P.cache_put(("n", i), P.Plan(), [keep[i]])
+    assert P.cache_get(("old",)) is first  # used again: now the most recent
+    P.cache_put(("n", P.CACHE_SIZE), P.Plan(), [keep[-1]])
+    assert P.cache_len() == P.CACHE_SIZE
+    assert P.cache_get(("old",)) is first
+    assert P.cache_get(("n", 1)) is None  # the least recently used went
+    assert all(P.cache_get(("n", i)) is not None for i in range(2, P.CACHE_SIZE + 1))
+    P.cache_clear()
+
+
 def test_cache_owns_no_array():
     P.cache_clear()
     o = _Obj()
