@@ -772,3 +772,17 @@ def test_prepare_takes_only_the_public_foreach_and_optim_functions():
                                             r"function that can be prepared \(one of "
                                             r"foreach.add, .*optim.increment_step_\)"):
             foreach.prepare(bad)
+
+
+def test_call_key_is_the_key_a_call_looks_its_plan_up_with(monkeypatch):
+    """The multi-tensor bench times ``cache_get(call_key(lists, writes))`` as the per-call
+    floor of a foreach call: it must be the very lookup the call makes."""
+    seen = []
+    monkeypatch.setattr(C, "cache_key", lambda lists, w: ("k", tuple(map(id, lists[0])), w))
+    monkeypatch.setattr(P, "cache_get", lambda key: seen.append(key))
+    monkeypatch.setattr(C, "_validate", lambda *args: None)  # stop after the lookup
+    xs, ys = [_Obj(), _Obj()], [_Obj(), _Obj()]
+    foreach.add_(xs, ys)
+    foreach.scale_(xs, 2.0)
+    assert seen == [C.call_key([xs, ys], 1), C.call_key([xs], 1)]
+    assert seen[0] != C.call_key([xs, ys], 0)

@@ -24,6 +24,9 @@ clip_llama
     Global-norm clipping of the LLaMA-like gradients: ``torch.nn.utils.clip_grad_norm_``
     (foreach) against ``cupylab.foreach.clip_by_global_norm_``; and whether the cupylab call
     can be captured in a CUDA graph (it cannot if it synchronises the host).
+
+Both small-list cases add a ``floor:`` row: the part of a call that grows with the list
+(reading every array's identity and address to find the cached launch table), timed alone.
 """
 from __future__ import annotations
 
@@ -37,6 +40,11 @@ from . import _timing
 
 LLAMA_LAYERS = 16
 SCHEMA = "cupylab-multi-tensor/1"
+#: The rows of the per-call reads alone: what a call of an unchanged list does before its
+#: launch that grows with the list (finding its cached launch table), timed on its own. No
+#: call that checks its list each time can be faster than these.
+FLOOR_ADAM = "floor: the step's table lookup alone (p.grad, data_ptr of params and grads)"
+FLOOR_ADD = "floor: the table lookup alone (id, and data_ptr for torch, of every array)"
 
 
 def llama_shapes(layers=LLAMA_LAYERS, hidden=2048, kv=512, ffn=8192, vocab=128256):
@@ -106,6 +114,9 @@ def adam_small(torch, rows, n):
         adam()
 
     out["cupylab.optim.adam_ prepared (device step)"] = _wall(torch, prepared, n)
+    cl = clo.Adam(ps, lr=1e-4)
+    cl.step()
+    out[FLOOR_ADAM] = _wall(torch, lambda: cl._cl_plan(0, cl.param_groups[0]), n)
     for k, t in out.items():  # AdamW rows against torch's fused AdamW, the others its Adam
         ref = out["torch AdamW fused" if "AdamW" in k else "torch Adam fused"]
         rows.append({"case": "adam_1000x4096", "impl": k, "ms_per_step_wall": round(t, 4),
@@ -163,6 +174,7 @@ def foreach_add(torch, rows, n):
     import cupy as cp
 
     from cupylab import foreach
+    from cupylab.ops import _mt_core as C, _mt_plan as P
 
     g = torch.Generator(device="cuda").manual_seed(0)
     xs = [torch.randn(4096, generator=g, device="cuda") for _ in range(1000)]
@@ -174,6 +186,11 @@ def foreach_add(torch, rows, n):
            "cupylab.foreach.add_ (CuPy lists)": _wall(torch, lambda: foreach.add_(cx, cy), n),
            "cupylab.foreach.prepare(add_) (torch lists)": _wall(
                torch, foreach.prepare(foreach.add_, xs, ys), n)}
+    for lists, what in (([xs, ys], "torch lists"), ([cx, cy], "CuPy lists")):
+        if P.cache_get(C.call_key(lists, 1)) is None:  # add_(xs, ys): both read, xs written
+            raise RuntimeError(f"{FLOOR_ADD} ({what}): the call's plan is not found this way")
+        out[f"{FLOOR_ADD} ({what})"] = _wall(
+            torch, lambda lists=lists: P.cache_get(C.call_key(lists, 1)), n)
     ref = out["torch._foreach_add_"]
     for k, t in out.items():
         rows.append({"case": "foreach_add_1000x4096", "impl": k, "ms_per_call_wall": round(t, 4),

@@ -59,6 +59,15 @@ def cache_key(lists, writes):
     return (writes, ids, ptrs)
 
 
+def call_key(lists, writes, same_dtype=None, free=()):
+    """The plan cache's key of a :func:`resolve` call with these arguments (``None``: not
+    cacheable); what a call of an unchanged list reads before its launch that grows with the
+    list (the multi-tensor bench times it alone)."""
+    if same_dtype is None:
+        same_dtype = range(len(lists))
+    return cache_key(lists, (writes, tuple(same_dtype), tuple(free)))
+
+
 def _contiguous(v):
     if 0 in v.shape:
         return True
@@ -213,7 +222,7 @@ def resolve(opname, names, lists, writes, *, same_dtype=None, stream=None, inpla
                 raise _not_a_list(opname, names[k], lst)
     if same_dtype is None:
         same_dtype = range(len(lists))
-    key = cache_key(lists, (writes, tuple(same_dtype), tuple(free)))
+    key = call_key(lists, writes, same_dtype, free)
     if key is not None:
         plan = P.cache_get(key)
         if plan is not None:
