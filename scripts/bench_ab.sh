@@ -4,7 +4,7 @@
 # each in its own process with its own kernel cache, so that clock and thermal drift show up
 # as A-to-A differences rather than as a verdict. Writes OUTDIR/a_<k>.json and b_<k>.json; the
 # last round's pair, copied to docs/perf/<name>_before.json / <name>_after.json, is what
-# scripts/make_perf_md.py turns into an A/B table.
+# scripts/make_perf_md.py turns into an A/B table (on docs/tuning.md).
 #
 #   git archive REV_A | (mkdir -p out/a && tar -x -C out/a)     # the trees, made where git is
 #   git archive REV_B | (mkdir -p out/b && tar -x -C out/b)

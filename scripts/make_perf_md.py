@@ -1,6 +1,8 @@
-"""Regenerate the tables of docs/perf.md from the stored result files in docs/perf/.
+"""Regenerate the tables of docs/perf.md and docs/tuning.md from the stored result files in
+docs/perf/.
 
-Every table in docs/perf.md sits between two marker comments::
+Every table of the two pages sits between two marker comments (each table once, on either
+page)::
 
     <!-- table:NAME -->
     ...generated lines...
@@ -17,8 +19,8 @@ same code that prints them on the command line.
 
 Usage (from the repository root; needs no GPU)::
 
-    python scripts/make_perf_md.py            # rewrite the tables in docs/perf.md
-    python scripts/make_perf_md.py --check    # exit 1 if docs/perf.md is stale
+    python scripts/make_perf_md.py            # rewrite the tables of the two pages
+    python scripts/make_perf_md.py --check    # exit 1 if a page is stale
 
 Exit codes: 0 up to date (or rewritten), 1 stale (``--check``), 2 a marker or file problem.
 """
@@ -387,9 +389,13 @@ def load_data(data_dir: Path) -> dict:
     return data
 
 
+DOCS = ("perf.md", "tuning.md")  # the pages, in the --docs folder
+
+
 def render_doc(text: str, data: dict) -> tuple:
-    """``(new text, names of the tables that changed)``; every table in TABLES must appear
-    exactly once, between its two markers."""
+    """``(new text, names of the tables that changed, names of the tables it holds)``; each
+    table at most once, between its two markers (that every table of TABLES appears on some
+    page is checked by :func:`render_pages`)."""
     lines = text.split("\n")
     out, changed, seen = [], [], []
     i = 0
@@ -417,36 +423,58 @@ def render_doc(text: str, data: dict) -> tuple:
         out += new
         out.append(END)
         i = end + 1
-    missing = [n for n in TABLES if n not in seen]
+    return "\n".join(out), changed, seen
+
+
+def render_pages(texts: dict, data: dict) -> dict:
+    """``{page: (new text, changed tables)}`` for ``texts`` (``{page: text}``): every table of
+    TABLES exactly once across the pages."""
+    out, where = {}, {}
+    for page, text in texts.items():
+        try:
+            new, changed, seen = render_doc(text, data)
+        except DocError as e:
+            raise DocError(f"{page}: {e}") from None
+        for name in seen:
+            if name in where:
+                raise DocError(f"table {name!r} appears twice ({where[name]}, {page})")
+            where[name] = page
+        out[page] = (new, changed)
+    missing = [n for n in TABLES if n not in where]
     if missing:
         raise DocError(f"no marker for table(s) {', '.join(missing)}")
-    return "\n".join(out), changed
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
                     help="change nothing; exit 1 if a table differs from the stored results")
-    ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "perf.md")
+    ap.add_argument("--docs", type=Path, default=ROOT / "docs",
+                    help=f"the folder of the pages ({', '.join(DOCS)})")
     ap.add_argument("--data", type=Path, default=None,
-                    help="directory of the result files (default: perf/ beside --doc)")
+                    help="directory of the result files (default: perf/ in --docs)")
     a = ap.parse_args(argv)
-    data_dir = a.data if a.data is not None else a.doc.parent / "perf"
+    data_dir = a.data if a.data is not None else a.docs / "perf"
+    pages = [a.docs / name for name in DOCS]
     try:
-        text = a.doc.read_text(encoding="utf-8")
-        new, changed = render_doc(text, load_data(data_dir))
+        texts = {p: p.read_text(encoding="utf-8") for p in pages}
+        result = render_pages(texts, load_data(data_dir))
     except (DocError, OSError) as e:
         print(f"make_perf_md: {e}", file=sys.stderr)
         return 2
-    if not changed:
-        print(f"make_perf_md: {a.doc} is up to date ({len(TABLES)} tables)")
+    stale = {p: r for p, r in result.items() if r[1]}
+    if not stale:
+        print(f"make_perf_md: {', '.join(map(str, pages))} up to date ({len(TABLES)} tables)")
         return 0
     if a.check:
-        print(f"make_perf_md: {a.doc} is stale: table(s) {', '.join(changed)} differ from "
-              f"{data_dir}; run python scripts/make_perf_md.py", file=sys.stderr)
+        for p, (_, changed) in stale.items():
+            print(f"make_perf_md: {p} is stale: table(s) {', '.join(changed)} differ from "
+                  f"{data_dir}; run python scripts/make_perf_md.py", file=sys.stderr)
         return 1
-    a.doc.write_text(new, encoding="utf-8")
-    print(f"make_perf_md: rewrote table(s) {', '.join(changed)} in {a.doc}")
+    for p, (new, changed) in stale.items():
+        p.write_text(new, encoding="utf-8")
+        print(f"make_perf_md: rewrote table(s) {', '.join(changed)} in {p}")
     return 0
 
 

@@ -3,7 +3,7 @@
 Compiles a family's programs through NVRTC with ``--ptxas-options=-v`` for one architecture
 and prints, per kernel instance, the registers a thread uses and the bytes of spill stores and
 loads. A kernel whose ``__launch_bounds__`` caps its registers below what it needs spills to
-local memory, which costs load/store bandwidth on the GPU; docs/perf.md cites this report for
+local memory, which costs load/store bandwidth on the GPU; docs/tuning.md cites this report for
 the 16-bit norm backwards.
 
 Usage (from the repository root)::

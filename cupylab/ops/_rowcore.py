@@ -102,7 +102,7 @@ def pipelined(op, dt, cls):
     1024x65536 rms_norm: 105.5 us piped, 140.1 us plain). The plain cluster kernel was faster
     on the 4- and 8-block clusters of every op (H100, 2026-12-05, all ops piped on the 512- and
     1,024-thread cluster classes: bf16 1024x65536 and 8192x128256 0.79-0.97x, float32
-    1024x65536 0.72-0.79x; docs/perf.md, "Long rows")."""
+    1024x65536 0.72-0.79x; docs/tuning.md, "Long rows")."""
     if not piped(op, dt):
         return False
     return cls[3] == 1 or (op in CLUSTER16_OPS and dt.itemsize == 2 and cls == CLUSTER16)
