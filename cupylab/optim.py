@@ -142,6 +142,22 @@ def _check_combo(opname, plan, state_slots, master_slot):
         yield g, p, g_state, m
 
 
+def _kernels_for(opname, plan, state_slots, master_slot, key, name_of):
+    """``{group signature: kernel}`` of a plan's step (:func:`_check_combo` first; ``name_of(g,
+    param dtype, state dtype, master)`` names a group's kernel), kept on the plan under
+    ``key`` (the kernel family and every setting its names depend on): a plan's groups do not
+    change, so a step over an unchanged list checks and names them once."""
+    memo = getattr(plan, "kernels", None)
+    if memo is None:
+        memo = plan.kernels = {}
+    kern = memo.get(key)
+    if kern is None:
+        kern = {g.sig: P.kernel("optim", name_of(g, p, st, m))
+                for g, p, st, m in _check_combo(opname, plan, state_slots, master_slot)}
+        memo[key] = kern
+    return kern
+
+
 def _opt(opname, plan, lr, found_inf, grad_scale, s):
     lr_v, lr_p = F._scalar_or_device(opname, "lr", lr, plan, s)
     fi = (F.device_scalar(opname, "found_inf", found_inf, plan, stream=s)
@@ -211,9 +227,8 @@ def adam_launcher(opname, plan, s, *, lr, beta1, beta2, eps, weight_decay, step,
             bc1, bc2s, st_p = 1.0, 1.0, F.device_scalar(opname, "step", step, plan, stream=s)
         args = F._args((lr_v, beta1, beta2, eps, weight_decay, bc1, bc2s, 1.0 if maximize else 0.0),
                        (lr_p, st_p, fi, gs))
-        kern = {}
-        for g, p, st, m in _check_combo(opname, plan, (2, 3), 4):
-            kern[g.sig] = P.kernel("optim", P.adam_name(p, st, m, adamw))
+        kern = _kernels_for(opname, plan, (2, 3), 4, ("adam", adamw, P.ADAM_F32_U, P.OPTIM_U),
+                            lambda g, p, st, m: P.adam_name(p, st, m, adamw))
     return _launcher(plan, kern.__getitem__, args, s)
 
 
@@ -322,9 +337,8 @@ def sgd_launcher(opname, plan, s, *, lr, momentum, dampening, weight_decay, nest
         lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale, s)
         args = F._args((lr_v, momentum, dampening, weight_decay, 1.0 if nesterov else 0.0,
                         1.0 if maximize else 0.0, 1.0 if first_step else 0.0), (lr_p, 0, fi, gs))
-        kern = {}
-        for g, p, st, m in _check_combo(opname, plan, (2,), 3):
-            kern[g.sig] = P.kernel("optim", P.sgd_name(p, st, m, g.sig[2] is not None))
+        kern = _kernels_for(opname, plan, (2,), 3, ("sgd", P.OPTIM_U),
+                            lambda g, p, st, m: P.sgd_name(p, st, m, g.sig[2] is not None))
     return _launcher(plan, kern.__getitem__, args, s)
 
 
@@ -425,9 +439,8 @@ def lion_launcher(opname, plan, s, *, lr, beta1, beta2, weight_decay, maximize, 
         lr_v, lr_p, fi, gs = _opt(opname, plan, lr, found_inf, grad_scale, s)
         args = F._args((lr_v, beta1, beta2, weight_decay, 1.0 if maximize else 0.0),
                        (lr_p, 0, fi, gs))
-        kern = {}
-        for g, p, st, m in _check_combo(opname, plan, (2,), 3):
-            kern[g.sig] = P.kernel("optim", P.lion_name(p, st, m))
+        kern = _kernels_for(opname, plan, (2,), 3, ("lion", P.OPTIM_U),
+                            lambda g, p, st, m: P.lion_name(p, st, m))
     return _launcher(plan, kern.__getitem__, args, s)
 
 

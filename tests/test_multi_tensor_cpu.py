@@ -786,3 +786,40 @@ def test_call_key_is_the_key_a_call_looks_its_plan_up_with(monkeypatch):
     foreach.scale_(xs, 2.0)
     assert seen == [C.call_key([xs, ys], 1), C.call_key([xs], 1)]
     assert seen[0] != C.call_key([xs, ys], 0)
+
+
+def test_an_optimizer_plan_checks_and_names_its_kernels_once_per_variant(monkeypatch):
+    """A step over an unchanged list reuses the kernels found for its plan; another variant
+    (AdamW, another unroll) finds its own, and a refused dtype combination is refused every
+    time (nothing kept)."""
+    plan = P.Plan()
+    g = P.Group()
+    g.sig = ("float32",) * 4 + (None,)
+    plan.groups = [g]
+    checks = []
+    real = optim._check_combo
+
+    def check(*a):
+        checks.append(a[0])
+        return real(*a)
+
+    monkeypatch.setattr(optim, "_check_combo", check)
+    adam = lambda adamw: optim._kernels_for(  # noqa: E731
+        "adam_", plan, (2, 3), 4, ("adam", adamw, P.ADAM_F32_U, P.OPTIM_U),
+        lambda g, p, st, m: P.adam_name(p, st, m, adamw))
+    k1 = adam(False)
+    assert adam(False) is k1 and len(checks) == 1
+    assert k1[g.sig].name_expression == P.adam_name("float32", "float32", False, False)
+    k2 = adam(True)
+    assert k2 is not k1 and len(checks) == 2
+    assert k2[g.sig].name_expression == P.adam_name("float32", "float32", False, True)
+    monkeypatch.setattr(P, "ADAM_F32_U", P.ADAM_F32_U + 1)
+    assert adam(False) is not k1 and len(checks) == 3
+    bad = P.Plan()
+    h = P.Group()
+    h.sig = ("float32", "float32", "float16", "float32", None)
+    bad.groups = [h]
+    for _ in range(2):
+        with pytest.raises(TypeError, match="different dtypes"):
+            optim._kernels_for("adam_", bad, (2, 3), 4, ("adam", False), lambda *a: "")
+    assert bad.kernels == {}

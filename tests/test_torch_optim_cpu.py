@@ -473,3 +473,75 @@ def test_lion_checks_lr_and_weight_decay_as_torch_optimizers_do():
         assert len(opt.param_groups) == 1  # refused before it joined
     opt.add_param_group({"params": [q], "lr": 1e-3})
     assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[1]["lr"] == 1e-3
+
+
+# -- torch's step wrapper: hooks, the profiler range, no grad ----------------------------------
+def test_step_runs_torchs_hooks_and_profiler_range_only_when_there_are_any(adam_launches,
+                                                                          monkeypatch):
+    """The drop-ins skip torch's step wrapper only when it would do nothing: the global and
+    per-optimizer step hooks run (and may replace the arguments) and the profiler sees the
+    ``Optimizer.step#<class>.step`` range, as for torch's optimizers; the step runs without
+    grad either way, and torch does not wrap it a second time."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+
+    O, seen = adam_launches
+    a = torch.nn.Parameter(torch.ones(3))
+    a.grad = torch.ones(3)
+    opt = O.Adam([a], lr=0.1)
+    assert type(opt).step.hooked is True and not hasattr(type(opt).step.__wrapped__, "hooked")
+    modes, calls = [], []
+    full = opt._cl_plan
+
+    def plan(gi, group):
+        modes.append(torch.is_grad_enabled())
+        return full(gi, group)
+
+    monkeypatch.setattr(opt, "_cl_plan", plan)
+    ranges = []
+
+    class Range(torch.autograd.profiler.record_function):  # counts the wrapper's ranges
+        def __enter__(self):
+            ranges.append(self.name)
+            return super().__enter__()
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", Range)
+    opt.step()  # no hook, no profiler: the direct call, no range opened
+    assert modes == [False] and torch.is_grad_enabled() and len(seen) == 1 and not ranges
+    h1 = opt.register_step_pre_hook(lambda o, args, kw: calls.append(("pre", o)))
+    h2 = register_optimizer_step_post_hook(lambda o, args, kw: calls.append(("gpost", o)))
+    try:
+        opt.step()
+    finally:
+        h1.remove()
+        h2.remove()
+    assert calls == [("pre", opt), ("gpost", opt)] and modes == [False, False]
+    assert ranges == ["Optimizer.step#Adam.step"]  # torch's wrapper, for the hooks
+    h3 = register_optimizer_step_pre_hook(lambda o, args, kw: (args, {"closure": lambda: 7.0}))
+    try:
+        assert opt.step() == 7.0  # a pre-hook's new arguments are the step's
+    finally:
+        h3.remove()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert any(e.name == "Optimizer.step#Adam.step" for e in prof.events())
+    opt.step()
+    assert calls == [("pre", opt), ("gpost", opt)] and len(seen) == 5
+    assert modes == [False] * 5 and torch.is_grad_enabled()
+
+
+def test_step_restores_grad_mode_when_it_raises(adam_launches):
+    O, _ = adam_launches
+    a = torch.nn.Parameter(torch.ones(3))
+    a.grad = torch.ones(3)
+    opt = O.Adam([a], lr=0.1)
+
+    def closure():
+        raise KeyError("from the closure")
+
+    with pytest.raises(KeyError, match="from the closure"):
+        opt.step(closure)
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        opt.step()
+        assert not torch.is_grad_enabled()

@@ -271,10 +271,12 @@ def _scalar_or_device(opname, pname, x, plan, stream=None):
     return 0.0, device_scalar(opname, pname, x, plan, stream=stream)
 
 
+_NO_S, _NO_P = (0.0,) * 8, (0,) * 4
+
+
 def _args(s=(), p=()):
-    s = tuple(float(v) for v in s) + (0.0,) * (8 - len(s))
-    p = tuple(int(v) for v in p) + (0,) * (4 - len(p))
-    return s + p
+    """The packed ``Args`` of a launch: up to 8 numbers (as floats) and 4 addresses (ints)."""
+    return (*map(float, s), *_NO_S[len(s):], *map(int, p), *_NO_P[len(p):])
 
 
 def _ew_kernel(op, inplace):

@@ -212,7 +212,7 @@ class Plan:
 
     __slots__ = ("device", "kind", "n", "sizes", "groups", "chunk", "nblocks", "tb_ptr", "buf",
                  "stream", "partial", "scratch", "refs", "upload", "layout", "siblings",
-                 "captured", "pinned", "used", "__weakref__")
+                 "captured", "pinned", "used", "kernels", "__weakref__")
 
     def workspace(self):
         """Device addresses ``(partials, scratch)``: one float64 per block for the norms, and
@@ -421,6 +421,7 @@ def _upload_plan(device, kind, sizes, chunk, groups, blob, tb_off, nblocks, stre
     plan.refs = None
     plan.upload = up
     plan.siblings, plan.captured, plan.pinned = {}, False, False
+    plan.kernels = None  # the optimizers' kernels by group (cupylab.optim._kernels_for)
     plan.layout = (groups, blob, tb_off)
     plan.groups = []
     for sig, idx, toff, moff, nb, first in groups:

@@ -9,10 +9,12 @@ rules are in the docstring of :mod:`cupylab.torch.optim`.
 """
 from __future__ import annotations
 
+import functools
 import operator
 import struct
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 from .. import _launch
 from ..ops import _mt_core as F, _mt_plan as P
@@ -23,6 +25,50 @@ _F32 = struct.Struct("f")
 _PTR = torch.Tensor.data_ptr
 _STRIDED = torch.strided
 _NO_SUBCLASS_FN = torch._C.DisableTorchFunctionSubclass
+
+
+# torch's step wrapper (Optimizer.profile_hook_step) reads these: the hooks every optimizer runs
+_GLOBAL_PRE = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None)
+_GLOBAL_POST = getattr(_torch_optimizer, "_global_optimizer_post_hooks", None)
+_profiling = torch._C._autograd._profiler_enabled
+_set_grad = torch._C._set_grad_enabled
+_grad_on = torch.is_grad_enabled
+
+
+def lean_step(func):
+    """The ``step`` method ``func`` as torch's optimizers run theirs, at less host cost.
+
+    torch runs every optimizer's ``step`` without grad, inside a wrapper that opens the
+    profiler range ``Optimizer.step#<class>.step`` and calls the global and the optimizer's
+    own step pre- and post-hooks (``register_step_pre_hook``...). The returned method does
+    exactly that whenever a hook is registered or a profiler is running, through torch's own
+    wrapper; otherwise, when that wrapper would only open a range nobody records, it calls
+    ``func`` directly without grad. That skips about half of a small step's host time (CPU,
+    one parameter: 37 against 19 µs). Marked ``hooked``, so that ``torch.optim.Optimizer``
+    does not wrap it a second time."""
+    @functools.wraps(func)
+    def nograd(*args, **kwargs):
+        prev = _grad_on()
+        _set_grad(False)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            _set_grad(prev)
+
+    full = torch.optim.Optimizer.profile_hook_step(nograd)
+    if _GLOBAL_PRE is None or _GLOBAL_POST is None:  # not the torch this was written for
+        full.hooked = True
+        return full
+
+    @functools.wraps(func)
+    def step(self, *args, **kwargs):
+        if (_GLOBAL_PRE or _GLOBAL_POST or self._optimizer_step_pre_hooks
+                or self._optimizer_step_post_hooks or _profiling()):
+            return full(self, *args, **kwargs)
+        return nograd(self, *args, **kwargs)
+
+    step.hooked = True
+    return step
 
 
 def _same_layout(params, grads, kp, kg, sizes):

@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from .. import optim as _optim
-from ._optim_core import _check_master, _Fused, _next_count
+from ._optim_core import _check_master, _Fused, _next_count, lean_step
 from ..ops._mt_core import _fill_doc
 
 
@@ -137,7 +137,7 @@ class _AdamBase(_Fused):
         self._cl_check(state_dict.get("param_groups", ()))  # before anything is loaded
         super().load_state_dict(state_dict)
 
-    @torch.no_grad()
+    @lean_step
     @_step_doc
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
         """One fused Adam (AdamW) step over every param group.
@@ -344,7 +344,7 @@ class SGD(_Fused, torch.optim.SGD):
                 ["params", "grads", "momentum_buffers", "master_params"],
                 0b1 | (0b100 if mom else 0) | (0b1000 if anymaster else 0))
 
-    @torch.no_grad()
+    @lean_step
     @_step_doc
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
         """One fused SGD step over every param group.
@@ -481,7 +481,7 @@ class Lion(_Fused, torch.optim.Optimizer):
     def _cl_check_group(self, group):
         self._cl_check(group)
 
-    @torch.no_grad()
+    @lean_step
     @_step_doc
     def step(self, closure=None, *, found_inf=None, grad_scale=None):
         """One fused Lion step over every param group.
