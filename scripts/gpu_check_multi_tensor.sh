@@ -18,7 +18,7 @@ PY=${PYTHON:-python3}
 STEPS=${STEPS:-tests bench sanitizer}
 summary=()
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
-TESTS="tests/test_multi_tensor_cpu.py tests/test_multi_tensor_gpu.py tests/test_optim_torch_gpu.py"
+TESTS="tests/test_multi_tensor_cpu.py tests/test_multi_tensor_plan_cpu.py tests/test_multi_tensor_gpu.py tests/test_optim_torch_gpu.py"
 
 if has tests; then
   timeout "${T_TESTS:-80}" $PY -m pytest -q -p no:cacheprovider -rs $TESTS \

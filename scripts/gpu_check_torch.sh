@@ -49,7 +49,7 @@ if has tests; then
   summary+=("pytest tests/test_torch_gpu.py (rc=$?): $(tail -n 1 "$OUT/pytest_torch_gpu.log")")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_torch_gpu.log" | head -n 40
   timeout 60 $PY -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_torch_cpu.py \
-    tests/test_torch_nn_cpu.py tests/test_torch_optim_cpu.py tests/test_torch_optim_state_cpu.py \
+    tests/test_torch_compile_cpu.py tests/test_torch_nn_cpu.py tests/test_torch_optim_cpu.py tests/test_torch_optim_state_cpu.py \
     tests/test_torch_promotion_cpu.py \
     > "$OUT/pytest_torch_cpu.log" 2>&1
   summary+=("pytest tests/test_torch_*_cpu.py (rc=$?): $(tail -n 1 "$OUT/pytest_torch_cpu.log")")
