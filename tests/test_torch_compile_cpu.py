@@ -41,13 +41,20 @@ def _run_block(model, x, r, t):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_compile_fullgraph_no_graph_break_no_recompile(cpu_kernels):
+def _aot_block(dynamic):
+    """A fresh :class:`_Block`, its ``fullgraph`` aot_eager compilation, and dynamo's counters
+    (cleared)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Block()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
+    return model, torch.compile(model, backend="aot_eager", fullgraph=True,
+                                dynamic=dynamic), counters
+
+
+def test_compile_fullgraph_no_graph_break_no_recompile(cpu_kernels):
+    model, compiled, counters = _aot_block(dynamic=False)
     for batch in (8, 8, 8):
         x, r = torch.randn(batch, 16), torch.randn(batch, 16)
         t = torch.randint(0, 11, (batch,))
@@ -91,11 +98,7 @@ def test_compile_inductor_lowers_the_registered_operators(cpu_kernels):
 
 
 def test_compile_dynamic_batch_one_graph(cpu_kernels):
-    torch._dynamo.reset()
-    model = _Block()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    model, compiled, counters = _aot_block(dynamic=True)
     for batch in (5, 9, 17):
         x, r = torch.randn(batch, 16), torch.randn(batch, 16)
         t = torch.randint(0, 11, (batch,))
