@@ -203,7 +203,7 @@ def _register(name):
         setup, backward = formula if formula is not None else (_no_setup, _no_formula(qualname))
         torch.library.register_autograd(qualname, _bound(backward), setup_context=setup,
                                         lib=LIBRARY)
-    return getattr(torch.ops.cupylab, name).default
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
 def _no_setup(ctx, inputs, output):
