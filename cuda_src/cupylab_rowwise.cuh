@@ -86,6 +86,30 @@ __device__ __forceinline__ void launder(Vec<T, V> (&a)[NV]) {
 #pragma unroll
     for (int j = 0; j < NV; ++j) launder(a[j]);
 }
+
+// A thread's row: NV vectors in registers, or (SROW) in shared memory, vector j of thread t at
+// base[j * THREADS] with base = buffer + t, read again at every pass
+template <typename T, int V, int NV, int THREADS, bool SROW>
+struct RowHold {
+    Vec<T, V> v[NV];
+    __device__ __forceinline__ Vec<T, V>& operator[](int j) { return v[j]; }
+};
+template <typename T, int V, int NV, int THREADS>
+struct RowHold<T, V, NV, THREADS, true> {
+    Vec<T, V>* base;
+    __device__ __forceinline__ Vec<T, V>& operator[](int j) {
+        asm volatile("" ::: "memory");
+        return base[j * THREADS];
+    }
+};
+template <typename T, int V, int NV, int THREADS>
+__device__ __forceinline__ void launder(RowHold<T, V, NV, THREADS, false>& a) {
+    launder(a.v);
+}
+template <typename T, int V, int NV, int THREADS>
+__device__ __forceinline__ void launder(RowHold<T, V, NV, THREADS, true>&) {
+    asm volatile("" ::: "memory");
+}
 template <typename T, int V, typename A>
 __device__ __forceinline__ void pack(const A (&f)[V], Vec<T, V>& v) {
 #pragma unroll

@@ -19,7 +19,8 @@
 namespace cl {
 
 // ---- register kernels ------------------------------------------------------------------
-template <typename T, int OP, int THREADS, int TPR, int NV, int C, bool PIPE = false>
+template <typename T, int OP, int THREADS, int TPR, int NV, int C, bool PIPE = false,
+          bool SROW = false>
 __device__ __forceinline__ void row_reg(const RowArgs& p) {
     typedef typename Acc<T>::type A;
     constexpr int V = 16 / sizeof(T);
@@ -63,9 +64,15 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         const T* x = row_ptr<const T>(p.in0, p, 0, rr);
         const int head = (int)(((u64)x & 15) / sizeof(T));
         const T* xal = x - head;
-        Vec<T, V> a[NV];
+        RowHold<T, V, NV, THREADS, SROW> a;
         Vec<T, V> b[TWO_IN ? NV : 1];
-        if constexpr (PIPE) {
+        if constexpr (SROW) {
+            // the whole segment in flight at once; each thread reads back only its own slots
+            a.base = stages + threadIdx.x;
+            issue_row<T, V, NV, TPR, THREADS>(stages, p, row, sbase, cols, fill_value<T, OP>());
+            cp_async_commit();
+            cp_async_wait<0>();
+        } else if constexpr (PIPE) {
             issue_stage<T, OP, V, NV, TPR, THREADS, TWO_IN>(
                 stages + ((it + PIPE_STAGES - 1) % PIPE_STAGES) * STAGE, p,
                 (unit + (PIPE_STAGES - 1) * nunits) * RPB + group, sbase, cols);
@@ -150,14 +157,14 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             const A mz = (m == neg_inf<A>()) ? A(0) : m;
             // cross-entropy keeps more values live (target, loss terms) than the softmaxes:
             // for 16-bit rows the unpacked halves kept from the first pass spilled (ptxas)
-            if constexpr (OP == OP_CE && sizeof(T) == 2) launder(a);
+            if constexpr ((OP == OP_CE && sizeof(T) == 2) || SROW) launder(a);
             // softmax keeps each exp(x - mz) for the output pass instead of computing the
             // accurate exp twice: float32 / float64 rows in the row's own registers (the same
             // type: nothing is rounded), 16-bit rows in float registers of their own (the
             // packed halves would round it). Across a cluster mz is this thread's own maximum:
             // the output scales the kept exps by exp(mz - row maximum).
             constexpr bool KEEP_EXP = OP == OP_SOFTMAX && IsSame<T, A>::value;
-            constexpr bool KEEP_EXP_F = OP == OP_SOFTMAX && !IsSame<T, A>::value;
+            constexpr bool KEEP_EXP_F = OP == OP_SOFTMAX && !IsSame<T, A>::value && !SROW;
             // cross-entropy on float32 rows keeps them too when the gradient is written
             // without label smoothing (the only later use of x): one exp an element, not two
             constexpr bool CE_KEEP = OP == OP_CE && IsSame<T, float>::value;
@@ -213,6 +220,10 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if constexpr (KEEP_EXP_F) {
 #pragma unroll
                         for (int k = 0; k < V; ++k) f[k] = ek[j][k] * mul;
+                    } else if constexpr (!KEEP_EXP) {  // SROW 16-bit: the exps again, taken
+                        unpack<T, V>(a[j], f);           // from the row maximum (kscale is 1)
+#pragma unroll
+                        for (int k = 0; k < V; ++k) f[k] = exp_row<T>(f[k] - gz) * mul;
                     } else {  // KEEP_EXP: the exps are the row's registers
                         unpack<T, V>(a[j], f);
 #pragma unroll
@@ -455,10 +466,13 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
         }
         if ((OP != OP_CE || p.out0) && OP != OP_RMS && OP != OP_LN && OP != OP_ADD_RMS) {
+            if constexpr (SROW) launder(a);
+            int sb = sbase, hd = head;
+            if constexpr (SROW) asm volatile("" : "+r"(sb), "+r"(hd));
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
-                const int s = sbase + j * TPR;
-                store_slot<T, V>(yal, a[j], s, s * V - head, cols, active);
+                const int s = sb + j * TPR;
+                store_slot<T, V>(yal, a[j], s, s * V - hd, cols, active);
             }
         }
 #undef CL_FOR_ELEMS
@@ -515,11 +529,21 @@ __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) ro
 }
 
 // The pipelined form of the cluster kernel (persistent clusters; sm_90): the two-block class
-// of the 16-bit softmax, log_softmax, rms_norm and layer_norm (_rowcore.pipelined).
+// of the 16-bit softmax (_rowcore.pipelined).
 template <typename T, int OP, int THREADS, int NV, int C>
 __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1) row_cluster_pipe_kernel(const RowArgs p) {
 #if CL_HAS_CLUSTER
     row_reg<T, OP, THREADS, THREADS, NV, C, true>(p);
+#endif
+}
+
+// The cluster kernel with the row staged in shared memory (sm_90): each block copies its whole
+// segment with cp.async (THREADS * NV 16-byte slots of dynamic shared memory) and reads it
+// back at every pass; the 16-bit one-input forwards' cluster classes (_rowcore.smem_rows)
+template <typename T, int OP, int THREADS, int NV, int C>
+__global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) row_smem_kernel(const RowArgs p) {
+#if CL_HAS_CLUSTER
+    row_reg<T, OP, THREADS, THREADS, NV, C, false, true>(p);
 #endif
 }
 

@@ -81,6 +81,8 @@ FILES = {  # stored file -> what it holds
     "cekeep_before.json": "the same cases in the same run, before it (816b484 + celaunder)",
     "cluster16_after.json": "16-bit forwards on two piped 1,024-thread blocks up to 65,536 (H100)",
     "cluster16_before.json": "the same cases in the same run, before it (celaunder + cekeep)",
+    "smem16_after.json": "long 16-bit rows held in shared memory across their cluster (H100)",
+    "smem16_before.json": "the same cases in the same run, before it (bb196a1)",
 }
 
 

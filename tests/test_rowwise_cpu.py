@@ -11,7 +11,7 @@ from cupylab.ops import _rowcore as rc
 
 from conftest import FakeCAI, compile_every
 
-BF16, F32, F64 = (_dtypes.from_name(n) for n in ("bfloat16", "float32", "float64"))
+BF16, F16, F32, F64 = (_dtypes.from_name(n) for n in ("bfloat16", "float16", "float32", "float64"))
 
 
 def test_public_names_exported():
@@ -31,38 +31,61 @@ def test_args_struct_size():
     (1000, 0, 90, (128, 32, 4, 1)), (1024, 0, 90, (128, 32, 4, 1)),
     (1025, 0, 90, (128, 64, 4, 1)), (2048, 0, 90, (128, 64, 4, 1)),
     (2049, 0, 90, (128, 128, 4, 1)), (8192, 0, 90, (256, 256, 4, 1)),
-    (32768, 0, 90, (1024, 1024, 4, 1)), (32769, 0, 90, (1024, 1024, 4, 2)),
-    (65536, 0, 90, (1024, 1024, 4, 2)), (128256, 0, 90, (512, 512, 4, 8)),
-    (131072, 0, 90, (512, 512, 4, 8)), (131073, 0, 90, (1024, 1024, 4, 8)),
-    (262144, 0, 90, (1024, 1024, 4, 8)),
+    (32768, 0, 90, (1024, 1024, 4, 1)), (32769, 0, 90, (256, 256, 8, 4)),
+    (65536, 0, 90, (256, 256, 8, 4)), (128256, 0, 90, (256, 256, 8, 8)),
+    (131072, 0, 90, (256, 256, 8, 8)), (131073, 0, 90, (256, 256, 16, 8)),
+    (262144, 0, 90, (256, 256, 16, 8)),
     (262144, 1, 90, None), (262144, None, 90, None), (65536, 0, 80, None),
     (1024, None, 90, (128, 64, 4, 1)),  # rows with varying heads need room for V - 1 more
 ])
 def test_choose_forward_bf16(cols, head, cc, expect):
-    assert rc.choose(0, BF16, cols, True, head, cc) == expect
+    assert rc.choose(1, BF16, cols, True, head, cc) == expect
 
 
-def test_choose_16_bit_two_block_cluster_class():
-    # 16-bit softmax, log_softmax, rms_norm and layer_norm keep two 1,024-thread blocks (a
-    # persistent pipeline) up to 65,536 elements; add_rms_norm and cross-entropy take four
-    # 512-thread blocks there; float32 rows too
-    for cols in (32769, 65536):
-        for op in (0, 1, 2, 3):
-            assert rc.choose(op, BF16, cols, True, 0, 90) == (1024, 1024, 4, 2)
-            assert rc.pipelined(op, BF16, (1024, 1024, 4, 2))
-        for op in (4, 5):
-            assert rc.choose(op, BF16, cols, True, 0, 90) == (512, 512, 4, 4)
-        assert rc.choose(0, F32, (cols + 1) // 2, True, 0, 90) == (512, 512, 4, 4)
-    assert rc.choose(2, BF16, 65537, True, 0, 90) == (512, 512, 4, 8)
-    assert not rc.pipelined(0, BF16, (512, 512, 4, 8))
+def test_choose_16_bit_shared_memory_cluster_rows():
+    # 16-bit log_softmax, rms_norm, layer_norm and cross-entropy hold a cluster row in shared
+    # memory (256-thread blocks); add_rms_norm and float32 rows keep the register cluster
+    # classes
+    for cols, cls in ((32769, (256, 256, 8, 4)), (65536, (256, 256, 8, 4)),
+                      (65537, (256, 256, 8, 8)), (262144, (256, 256, 16, 8))):
+        for op in (1, 2, 3, 5):
+            for dt in (BF16, F16):
+                assert rc.choose(op, dt, cols, True, 0, 90) == cls
+                assert rc.smem_rows(op, dt) and not rc.pipelined(op, dt, cls)
+                assert rc.kernel_name(op, dt, cls).startswith("cl::row_smem_kernel<")
+    assert rc.choose(4, BF16, 65536, True, 0, 90) == (512, 512, 4, 4)
+    assert rc.choose(0, F32, 32768, True, 0, 90) == (512, 512, 4, 4)
+    assert not rc.smem_rows(4, BF16) and not rc.smem_rows(0, F32)
+    assert rc.kernel_name(0, F32, (512, 512, 4, 4)).startswith("cl::row_cluster_kernel<")
     names = rc.name_expressions("norm", BF16)
-    assert "cl::row_cluster_kernel<cl::bf16_t, 2, 1024, 4, 2>" in names
-    assert "cl::row_cluster_pipe_kernel<cl::bf16_t, 3, 1024, 4, 2>" in names
-    assert "cl::row_cluster_kernel<cl::bf16_t, 2, 512, 4, 4>" not in names
+    assert "cl::row_smem_kernel<cl::bf16_t, 2, 256, 8, 4>" in names
     assert "cl::row_cluster_kernel<cl::bf16_t, 4, 512, 4, 4>" in names
+    assert "cl::row_cluster_kernel<cl::bf16_t, 2, 512, 4, 4>" not in names
+    assert not any("row_cluster_pipe_kernel" in n for n in names)
+
+
+def test_choose_16_bit_softmax_keeps_the_register_cluster_classes():
+    # 16-bit softmax: two 1,024-thread blocks (a persistent cluster pipeline) up to 65,536
+    # elements, then the plain register cluster classes
+    for dt in (BF16, F16):
+        assert not rc.smem_rows(0, dt)
+        for cols in (32769, 65536):
+            assert rc.choose(0, dt, cols, True, 0, 90) == (1024, 1024, 4, 2)
+            assert rc.pipelined(0, dt, (1024, 1024, 4, 2))
+        assert rc.choose(0, dt, 65537, True, 0, 90) == (512, 512, 4, 8)
+        assert rc.choose(0, dt, 131073, True, 0, 90) == (1024, 1024, 4, 8)
+        assert not rc.pipelined(0, dt, (512, 512, 4, 8))
+    assert "row_cluster_pipe_kernel<" in rc.kernel_name(0, BF16, (1024, 1024, 4, 2), True)
     names = rc.name_expressions("softmax", BF16)
     assert "cl::row_cluster_pipe_kernel<cl::bf16_t, 0, 1024, 4, 2>" in names
-    assert "cl::row_cluster_kernel<cl::bf16_t, 1, 512, 4, 4>" not in names
+    assert "cl::row_smem_kernel<cl::bf16_t, 1, 256, 8, 4>" in names
+    assert not any(n.startswith("cl::row_smem_kernel<cl::bf16_t, 0,") for n in names)
+    # persistent clusters, as many as fit in groups of 16 SMs
+    assert rc.pipe_plan(0, BF16, (1024, 1024, 4, 2), 1024, 132, 232448, 90) == (128, 196608)
+    assert rc.pipe_plan(0, BF16, (1024, 1024, 4, 2), 5, 132, 232448, 90) == (10, 196608)
+    assert rc.pipe_plan(0, BF16, (512, 512, 4, 8), 1024, 132, 232448, 90) is None
+    with pytest.raises(ValueError, match="no pipelined cluster kernel"):
+        rc.kernel_name(0, BF16, (512, 512, 4, 8), True)
 
 
 def test_choose_generic_cases():
@@ -124,13 +147,8 @@ def test_pipe_plan(monkeypatch):
     # cluster rows take the plain cluster kernel (one cluster a row)
     assert rc.pipe_plan(0, F32, (512, 512, 4, 4), 8192, 132, 232448, 90) is None
     assert rc.pipe_plan(5, BF16, (512, 512, 4, 8), 3, 132, 232448, 90) is None
-    # ... except 16-bit rms_norm on two blocks: persistent clusters, as many as fit in groups of
-    # 16 SMs
-    assert rc.pipe_plan(2, BF16, (1024, 1024, 4, 2), 1024, 132, 232448, 90) == (128, 196608)
-    assert rc.pipe_plan(2, BF16, (1024, 1024, 4, 2), 5, 132, 232448, 90) == (10, 196608)
+    assert rc.pipe_plan(2, BF16, (256, 256, 8, 4), 1024, 132, 232448, 90) is None
     assert rc.pipe_plan(2, F32, (512, 512, 4, 4), 1024, 132, 232448, 90) is None
-    assert "row_cluster_pipe_kernel<" in rc.kernel_name(2, BF16, (1024, 1024, 4, 2), True)
-    assert rc.pipe_plan(2, BF16, (512, 512, 4, 8), 1024, 132, 232448, 90) is None
     with pytest.raises(ValueError, match="no pipelined cluster kernel"):
         rc.kernel_name(0, BF16, (512, 512, 4, 4), True)
     assert rc.pipe_plan(0, F32, (1024, 1024, 4, 1), 8, 132, 101376, 90) is None  # too little smem
@@ -177,7 +195,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 674
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 668
 
 
 def test_errors_need_no_gpu():
@@ -383,7 +401,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 674
+    assert n == 668
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():

@@ -41,15 +41,22 @@ BWD_W = (12, 13)
 FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
               (128, 128, 4, 1), (256, 256, 4, 1), (512, 512, 4, 1), (1024, 1024, 4, 1),
               (512, 512, 4, 4), (512, 512, 4, 8), (1024, 1024, 4, 8))
-#: 16-bit softmax, log_softmax, rms_norm and layer_norm keep two 1,024-thread blocks up to
-#: 65,536 elements, as a persistent cluster pipeline (row_cluster_pipe_kernel): H100, bf16
-#: 1024x65536 rms_norm 105.5 us against 137-142 us on four plain 512-thread blocks; softmax,
-#: log_softmax and layer_norm 1.11-1.20x there, 1.05-1.11x at 2048x49152, 0.96-1.04x at
-#: 4096x40000 (two rounds, scripts/bench_ab.sh). add_rms_norm and cross-entropy keep the four
-#: blocks (cross-entropy spills on two and measured 0.91-1.01x; float32 rows 1.45-1.87x
-#: faster on four 512-thread blocks than on the earlier 1,024-thread ones)
+#: 16-bit log_softmax, rms_norm, layer_norm and cross-entropy hold a cluster row in shared
+#: memory (row_smem_kernel): each block copies its whole segment with cp.async at once and
+#: reads it back at every pass, so a block needs few registers and 256-thread blocks of four
+#: clusters share an SM, one loading while the others reduce. H100, bf16, against the register
+#: cluster classes (scripts/bench_ab.sh, docs/tuning.md): 8192x128256 1.41-1.58x
+#: (cross-entropy 3.17 -> 2.05 ms), 4096x40000 1.14-1.63x, 1024x65536 1.07-1.49x. float32 and
+#: float64 rows, and add_rms_norm (two inputs), keep the register classes.
+SMEM16_OPS = (1, 2, 3, 5)
+SMEM16_LADDER = tuple(c for c in FWD_LADDER if c[3] == 1) + (
+    (256, 256, 8, 4), (256, 256, 8, 8), (256, 256, 16, 8))
+#: 16-bit softmax keeps two 1,024-thread blocks up to 65,536 elements, as a persistent cluster
+#: pipeline (row_cluster_pipe_kernel; H100, bf16 1024x65536 1.11-1.20x against four plain
+#: 512-thread blocks), and the register cluster classes beyond: its shared-memory form has not
+#: passed the GPU tests yet
 CLUSTER16 = (1024, 1024, 4, 2)
-CLUSTER16_OPS = (0, 1, 2, 3)
+CLUSTER16_OPS = (0,)
 CLUSTER16_FWD_LADDER = tuple(CLUSTER16 if c == (512, 512, 4, 4) else c for c in FWD_LADDER)
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
@@ -81,6 +88,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def ladder(op, dt):
+    if dt.itemsize == 2 and op in SMEM16_OPS:
+        return SMEM16_LADDER
     if dt.itemsize == 2 and op in CLUSTER16_OPS:
         return CLUSTER16_FWD_LADDER
     if dt.itemsize == 2 and op == 12:
@@ -98,14 +107,20 @@ def piped(op, dt):
 def pipelined(op, dt, cls):
     """Whether class ``cls`` of ``op`` on ``dt`` has a persistent pipelined kernel: every
     one-block class of a :func:`piped` op (row_pipe_kernel), and of the cluster classes only
-    the two 1,024-thread blocks of :data:`CLUSTER16` (row_cluster_pipe_kernel; H100, bf16
-    1024x65536 rms_norm: 105.5 us piped, 140.1 us plain). The plain cluster kernel was faster
-    on the 4- and 8-block clusters of every op (H100, 2026-12-05, all ops piped on the 512- and
-    1,024-thread cluster classes: bf16 1024x65536 and 8192x128256 0.79-0.97x, float32
+    the two 1,024-thread blocks of :data:`CLUSTER16` (row_cluster_pipe_kernel). A persistent
+    cluster pipeline measured slower than the plain cluster kernel on the 4- and 8-block
+    classes of every op (H100, 2026-12-05: bf16 1024x65536 and 8192x128256 0.79-0.97x, float32
     1024x65536 0.72-0.79x; docs/tuning.md, "Long rows")."""
     if not piped(op, dt):
         return False
     return cls[3] == 1 or (op in CLUSTER16_OPS and dt.itemsize == 2 and cls == CLUSTER16)
+
+
+def smem_rows(op, dt):
+    """Whether the cluster classes of ``op`` on ``dt`` hold their row in shared memory
+    (row_smem_kernel, :data:`SMEM16_LADDER`): the dynamic shared memory of a block is then
+    ``THREADS * NV * 16`` bytes."""
+    return dt.itemsize == 2 and op in SMEM16_OPS
 
 
 def group_of(op):
@@ -132,6 +147,8 @@ def kernel_name(op, dt, cls, pipe=False):
         if c > 1:
             return f"cl::row_cluster_pipe_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
         return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
+    if c > 1 and smem_rows(op, dt):
+        return f"cl::row_smem_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
     if c > 1:
         return f"cl::row_cluster_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
     return f"cl::row_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
@@ -539,7 +556,8 @@ def _opt_in(k, device, smem):
 def plan_rows(op, dt, lay, device):
     """The launch for ``lay`` on ``device``: ``(kernel, grid, block, dynamic shared memory,
     partial rows)``, the kernel chosen by row length (:func:`choose`), the persistent pipeline
-    where it applies (:func:`pipe_plan`, shared memory opted in), else :func:`grid_for`."""
+    where it applies (:func:`pipe_plan`, shared memory opted in), else :func:`grid_for`, with
+    the dynamic shared memory of a cluster row held there (:func:`smem_rows`)."""
     info = _runtime.device_info(device)
     cls = choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
     block = GENERIC_THREADS if cls is None else cls[0]
@@ -549,7 +567,12 @@ def plan_rows(op, dt, lay, device):
         _opt_in(k, device, pp[1])  # beyond the 48 KiB default with the static reduce arrays
         return k, pp[0], block, pp[1], pp[0] * (cls[0] // cls[1]) if op in BWD_W else 0
     grid, nparts = grid_for(op, cls, lay.rows, info.sm_count)
-    return kernel(group_of(op), dt, kernel_name(op, dt, cls)), grid, block, 0, nparts
+    k = kernel(group_of(op), dt, kernel_name(op, dt, cls))
+    if cls is not None and cls[3] > 1 and smem_rows(op, dt):
+        smem = cls[0] * cls[2] * 16
+        _opt_in(k, device, smem)
+        return k, grid, block, smem, nparts
+    return k, grid, block, 0, nparts
 
 
 def launch_rows(c, op, dt, lay, args_fn, parts_cb=None):
