@@ -118,9 +118,14 @@ def pipelined(op, dt, cls):
 
 def smem_rows(op, dt):
     """Whether the cluster classes of ``op`` on ``dt`` hold their row in shared memory
-    (row_smem_kernel, :data:`SMEM16_LADDER`): the dynamic shared memory of a block is then
-    ``THREADS * NV * 16`` bytes."""
+    (row_smem_kernel, :data:`SMEM16_LADDER`; :func:`row_smem_bytes`)."""
     return dt.itemsize == 2 and op in SMEM16_OPS
+
+
+def row_smem_bytes(op, dt, cls):
+    """The dynamic shared memory of a block of class ``cls`` that holds its segment of the row
+    (``THREADS * NV`` 16-byte slots), 0 for a class that keeps it in registers."""
+    return cls[0] * cls[2] * 16 if cls[3] > 1 and smem_rows(op, dt) else 0
 
 
 def group_of(op):
@@ -147,7 +152,7 @@ def kernel_name(op, dt, cls, pipe=False):
         if c > 1:
             return f"cl::row_cluster_pipe_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
         return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
-    if c > 1 and smem_rows(op, dt):
+    if row_smem_bytes(op, dt, cls):
         return f"cl::row_smem_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
     if c > 1:
         return f"cl::row_cluster_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
@@ -557,7 +562,7 @@ def plan_rows(op, dt, lay, device):
     """The launch for ``lay`` on ``device``: ``(kernel, grid, block, dynamic shared memory,
     partial rows)``, the kernel chosen by row length (:func:`choose`), the persistent pipeline
     where it applies (:func:`pipe_plan`, shared memory opted in), else :func:`grid_for`, with
-    the dynamic shared memory of a cluster row held there (:func:`smem_rows`)."""
+    the dynamic shared memory of a cluster row held there (:func:`row_smem_bytes`)."""
     info = _runtime.device_info(device)
     cls = choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
     block = GENERIC_THREADS if cls is None else cls[0]
@@ -568,11 +573,10 @@ def plan_rows(op, dt, lay, device):
         return k, pp[0], block, pp[1], pp[0] * (cls[0] // cls[1]) if op in BWD_W else 0
     grid, nparts = grid_for(op, cls, lay.rows, info.sm_count)
     k = kernel(group_of(op), dt, kernel_name(op, dt, cls))
-    if cls is not None and cls[3] > 1 and smem_rows(op, dt):
-        smem = cls[0] * cls[2] * 16
+    smem = 0 if cls is None else row_smem_bytes(op, dt, cls)
+    if smem:
         _opt_in(k, device, smem)
-        return k, grid, block, smem, nparts
-    return k, grid, block, 0, nparts
+    return k, grid, block, smem, nparts
 
 
 def launch_rows(c, op, dt, lay, args_fn, parts_cb=None):
