@@ -164,7 +164,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             // packed halves would round it). Across a cluster mz is this thread's own maximum:
             // the output scales the kept exps by exp(mz - row maximum).
             constexpr bool KEEP_EXP = OP == OP_SOFTMAX && IsSame<T, A>::value;
-            constexpr bool KEEP_EXP_F = OP == OP_SOFTMAX && !IsSame<T, A>::value;
+            constexpr bool KEEP_EXP_F = OP == OP_SOFTMAX && !IsSame<T, A>::value && !SROW;
             // cross-entropy on float32 rows keeps them too when the gradient is written
             // without label smoothing (the only later use of x): one exp an element, not two
             constexpr bool CE_KEEP = OP == OP_CE && IsSame<T, float>::value;
@@ -220,6 +220,10 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if constexpr (KEEP_EXP_F) {
 #pragma unroll
                         for (int k = 0; k < V; ++k) f[k] = ek[j][k] * mul;
+                    } else if constexpr (!KEEP_EXP) {  // SROW 16-bit: the exps again, taken
+                        unpack<T, V>(a[j], f);           // from the row maximum (kscale is 1)
+#pragma unroll
+                        for (int k = 0; k < V; ++k) f[k] = exp_row<T>(f[k] - gz) * mul;
                     } else {  // KEEP_EXP: the exps are the row's registers
                         unpack<T, V>(a[j], f);
 #pragma unroll
@@ -524,23 +528,12 @@ __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) ro
 #endif
 }
 
-// The pipelined form of the cluster kernel (persistent clusters; sm_90): the two-block class
-// of the 16-bit softmax (_rowcore.pipelined).
-template <typename T, int OP, int THREADS, int NV, int C>
-__global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1) row_cluster_pipe_kernel(const RowArgs p) {
-#if CL_HAS_CLUSTER
-    row_reg<T, OP, THREADS, THREADS, NV, C, true>(p);
-#endif
-}
-
 // The cluster kernel with the row staged in shared memory (sm_90): each block copies its whole
 // segment with cp.async (THREADS * NV 16-byte slots of dynamic shared memory) and reads it
 // back at every pass; the cluster classes of _rowcore.SMEM16_OPS on 16-bit rows (smem_rows)
 template <typename T, int OP, int THREADS, int NV, int C>
 __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) row_smem_kernel(const RowArgs p) {
 #if CL_HAS_CLUSTER
-    // 16-bit softmax keeps its exps in registers (KEEP_EXP_F): not a shared-memory row
-    static_assert(OP != OP_SOFTMAX || sizeof(T) != 2, "row_smem_kernel: no 16-bit softmax");
     row_reg<T, OP, THREADS, THREADS, NV, C, false, true>(p);
 #endif
 }

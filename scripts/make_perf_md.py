@@ -83,6 +83,8 @@ FILES = {  # stored file -> what it holds
     "cluster16_before.json": "the same cases in the same run, before it (celaunder + cekeep)",
     "smem16_after.json": "long 16-bit rows held in shared memory across their cluster (H100)",
     "smem16_before.json": "the same cases in the same run, before it (bb196a1)",
+    "smem16soft_after.json": "long 16-bit softmax rows held in shared memory (H200)",
+    "smem16soft_before.json": "the same cases in the same run, before it (bb196a1)",
 }
 
 

@@ -39,16 +39,16 @@ def test_args_struct_size():
     (1024, None, 90, (128, 64, 4, 1)),  # rows with varying heads need room for V - 1 more
 ])
 def test_choose_forward_bf16(cols, head, cc, expect):
-    assert rc.choose(1, BF16, cols, True, head, cc) == expect
+    assert rc.choose(0, BF16, cols, True, head, cc) == expect
 
 
 def test_choose_16_bit_shared_memory_cluster_rows():
-    # 16-bit log_softmax, rms_norm, layer_norm and cross-entropy hold a cluster row in shared
-    # memory (256-thread blocks); add_rms_norm and float32 rows keep the register cluster
-    # classes
+    # 16-bit softmax, log_softmax, rms_norm, layer_norm and cross-entropy hold a cluster row in
+    # shared memory (256-thread blocks); add_rms_norm and float32 rows keep the register
+    # cluster classes
     for cols, cls in ((32769, (256, 256, 8, 4)), (65536, (256, 256, 8, 4)),
                       (65537, (256, 256, 8, 8)), (262144, (256, 256, 16, 8))):
-        for op in (1, 2, 3, 5):
+        for op in (0, 1, 2, 3, 5):
             for dt in (BF16, F16):
                 assert rc.choose(op, dt, cols, True, 0, 90) == cls
                 assert rc.smem_rows(op, dt) and not rc.pipelined(op, dt, cls)
@@ -61,31 +61,8 @@ def test_choose_16_bit_shared_memory_cluster_rows():
     assert "cl::row_smem_kernel<cl::bf16_t, 2, 256, 8, 4>" in names
     assert "cl::row_cluster_kernel<cl::bf16_t, 4, 512, 4, 4>" in names
     assert "cl::row_cluster_kernel<cl::bf16_t, 2, 512, 4, 4>" not in names
-    assert not any("row_cluster_pipe_kernel" in n for n in names)
-
-
-def test_choose_16_bit_softmax_keeps_the_register_cluster_classes():
-    # 16-bit softmax: two 1,024-thread blocks (a persistent cluster pipeline) up to 65,536
-    # elements, then the plain register cluster classes
-    for dt in (BF16, F16):
-        assert not rc.smem_rows(0, dt)
-        for cols in (32769, 65536):
-            assert rc.choose(0, dt, cols, True, 0, 90) == (1024, 1024, 4, 2)
-            assert rc.pipelined(0, dt, (1024, 1024, 4, 2))
-        assert rc.choose(0, dt, 65537, True, 0, 90) == (512, 512, 4, 8)
-        assert rc.choose(0, dt, 131073, True, 0, 90) == (1024, 1024, 4, 8)
-        assert not rc.pipelined(0, dt, (512, 512, 4, 8))
-    assert "row_cluster_pipe_kernel<" in rc.kernel_name(0, BF16, (1024, 1024, 4, 2), True)
-    names = rc.name_expressions("softmax", BF16)
-    assert "cl::row_cluster_pipe_kernel<cl::bf16_t, 0, 1024, 4, 2>" in names
-    assert "cl::row_smem_kernel<cl::bf16_t, 1, 256, 8, 4>" in names
-    assert not any(n.startswith("cl::row_smem_kernel<cl::bf16_t, 0,") for n in names)
-    # persistent clusters, as many as fit in groups of 16 SMs
-    assert rc.pipe_plan(0, BF16, (1024, 1024, 4, 2), 1024, 132, 232448, 90) == (128, 196608)
-    assert rc.pipe_plan(0, BF16, (1024, 1024, 4, 2), 5, 132, 232448, 90) == (10, 196608)
-    assert rc.pipe_plan(0, BF16, (512, 512, 4, 8), 1024, 132, 232448, 90) is None
-    with pytest.raises(ValueError, match="no pipelined cluster kernel"):
-        rc.kernel_name(0, BF16, (512, 512, 4, 8), True)
+    assert not any("row_cluster_pipe_kernel" in n for p in rc.all_programs()
+                   for n in p.name_expressions)
 
 
 def test_choose_generic_cases():
@@ -149,7 +126,7 @@ def test_pipe_plan(monkeypatch):
     assert rc.pipe_plan(5, BF16, (512, 512, 4, 8), 3, 132, 232448, 90) is None
     assert rc.pipe_plan(2, BF16, (256, 256, 8, 4), 1024, 132, 232448, 90) is None
     assert rc.pipe_plan(2, F32, (512, 512, 4, 4), 1024, 132, 232448, 90) is None
-    with pytest.raises(ValueError, match="no pipelined cluster kernel"):
+    with pytest.raises(ValueError, match="no pipelined kernel"):
         rc.kernel_name(0, BF16, (512, 512, 4, 4), True)
     assert rc.pipe_plan(0, F32, (1024, 1024, 4, 1), 8, 132, 101376, 90) is None  # too little smem
     monkeypatch.setenv("CUPYLAB_ROWWISE_PIPELINE", "0")
@@ -195,7 +172,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 668
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 666
 
 
 def test_errors_need_no_gpu():
@@ -401,7 +378,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 668
+    assert n == 666
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():

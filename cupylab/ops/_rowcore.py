@@ -41,23 +41,17 @@ BWD_W = (12, 13)
 FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
               (128, 128, 4, 1), (256, 256, 4, 1), (512, 512, 4, 1), (1024, 1024, 4, 1),
               (512, 512, 4, 4), (512, 512, 4, 8), (1024, 1024, 4, 8))
-#: 16-bit log_softmax, rms_norm, layer_norm and cross-entropy hold a cluster row in shared
-#: memory (row_smem_kernel): each block copies its whole segment with cp.async at once and
-#: reads it back at every pass, so a block needs few registers and 256-thread blocks of four
-#: clusters share an SM, one loading while the others reduce. H100, bf16, against the register
-#: cluster classes (scripts/bench_ab.sh, docs/tuning.md): 8192x128256 1.41-1.58x
-#: (cross-entropy 3.17 -> 2.05 ms), 4096x40000 1.14-1.63x, 1024x65536 1.07-1.49x. float32 and
-#: float64 rows, and add_rms_norm (two inputs), keep the register classes.
-SMEM16_OPS = (1, 2, 3, 5)
+#: 16-bit softmax, log_softmax, rms_norm, layer_norm and cross-entropy hold a cluster row in
+#: shared memory (row_smem_kernel): each block copies its whole segment with cp.async at once
+#: and reads it back at every pass, so a block needs few registers and 256-thread blocks of
+#: four clusters share an SM, one loading while the others reduce. bf16, against the register
+#: cluster classes (scripts/bench_ab.sh, docs/tuning.md "Long rows"; H100 for the four ops,
+#: H200 for softmax): 8192x128256 1.31-1.58x (cross-entropy 3.17 -> 2.05 ms), 4096x40000
+#: 1.14-1.63x, 1024x65536 1.07-1.49x. float32 and float64 rows, and add_rms_norm (two
+#: inputs), keep the register classes.
+SMEM16_OPS = (0, 1, 2, 3, 5)
 SMEM16_LADDER = tuple(c for c in FWD_LADDER if c[3] == 1) + (
     (256, 256, 8, 4), (256, 256, 8, 8), (256, 256, 16, 8))
-#: 16-bit softmax keeps two 1,024-thread blocks up to 65,536 elements, as a persistent cluster
-#: pipeline (row_cluster_pipe_kernel; H100, bf16 1024x65536 1.11-1.20x against four plain
-#: 512-thread blocks), and the register cluster classes beyond: its shared-memory form has not
-#: passed the GPU tests yet
-CLUSTER16 = (1024, 1024, 4, 2)
-CLUSTER16_OPS = (0,)
-CLUSTER16_FWD_LADDER = tuple(CLUSTER16 if c == (512, 512, 4, 4) else c for c in FWD_LADDER)
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
               (128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
@@ -90,8 +84,6 @@ _INT32_MAX = 2**31 - 1
 def ladder(op, dt):
     if dt.itemsize == 2 and op in SMEM16_OPS:
         return SMEM16_LADDER
-    if dt.itemsize == 2 and op in CLUSTER16_OPS:
-        return CLUSTER16_FWD_LADDER
     if dt.itemsize == 2 and op == 12:
         return RMS16_BWD_LADDER
     if dt.itemsize == 2 and op == 13:
@@ -106,14 +98,13 @@ def piped(op, dt):
 
 def pipelined(op, dt, cls):
     """Whether class ``cls`` of ``op`` on ``dt`` has a persistent pipelined kernel: every
-    one-block class of a :func:`piped` op (row_pipe_kernel), and of the cluster classes only
-    the two 1,024-thread blocks of :data:`CLUSTER16` (row_cluster_pipe_kernel). A persistent
-    cluster pipeline measured slower than the plain cluster kernel on the 4- and 8-block
-    classes of every op (H100, 2026-12-05: bf16 1024x65536 and 8192x128256 0.79-0.97x, float32
-    1024x65536 0.72-0.79x; docs/tuning.md, "Long rows")."""
-    if not piped(op, dt):
-        return False
-    return cls[3] == 1 or (op in CLUSTER16_OPS and dt.itemsize == 2 and cls == CLUSTER16)
+    one-block class of a :func:`piped` op (row_pipe_kernel). No cluster class has one: a
+    persistent cluster pipeline measured slower than the plain cluster kernel on the 4- and
+    8-block classes of every op (H100, 2026-12-05: bf16 1024x65536 and 8192x128256
+    0.79-0.97x, float32 1024x65536 0.72-0.79x), and the two-block class it won on (16-bit,
+    up to 65,536 elements) gave way to shared-memory rows (:data:`SMEM16_LADDER`;
+    docs/tuning.md, "Long rows")."""
+    return cls[3] == 1 and piped(op, dt)
 
 
 def smem_rows(op, dt):
@@ -146,11 +137,8 @@ def kernel_name(op, dt, cls, pipe=False):
     th, tpr, nv, c = cls
     if pipe:
         if not pipelined(op, dt, cls):
-            raise ValueError(f"kernel_name: op {op} on {dt.name} has no pipelined "
-                             f"{'cluster ' if c > 1 else ''}kernel for class {cls} (see "
-                             "pipelined)")
-        if c > 1:
-            return f"cl::row_cluster_pipe_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
+            raise ValueError(f"kernel_name: op {op} on {dt.name} has no pipelined kernel for "
+                             f"class {cls} (see pipelined)")
         return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
     if row_smem_bytes(op, dt, cls):
         return f"cl::row_smem_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
@@ -525,21 +513,17 @@ def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
     too little shared memory, the ``CUPYLAB_ROWWISE_PIPELINE=0`` switch, classes without one:
     :func:`pipelined`). Persistent grids never exceed what is resident at once (an
     SM's shared memory is the per-block opt-in maximum plus the 1 KiB the driver reserves:
-    228 KiB on sm_90, 164 KiB on sm_80); cluster grids assume clusters are placed within groups
-    of 16 SMs (H100/H200 GPCs hold 16-18)."""
+    228 KiB on sm_90, 164 KiB on sm_80)."""
     if cls is None or cc < 80 or not pipelined(op, dt, cls):
         return None
     if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") == "0":
         return None
-    th, tpr, nv, c = cls
+    th, tpr, nv, _ = cls
     smem = PIPE_STAGES * (2 if op in TWO_IN else 1) * nv * th * 16
     if smem > smem_optin:
         return None
     per_sm = max(1, min(2048 // th, 65536 // (64 * th), (smem_optin + 1024) // (smem + 1024)))
     units = -(-rows // (th // tpr))
-    if c > 1:
-        resident = (sm_count // 16) * (16 // c) * per_sm
-        return max(1, min(units, resident)) * c, smem
     return max(1, min(units, sm_count * per_sm)), smem
 
 
