@@ -539,9 +539,8 @@ def test_rms_weight_alignment(rows, cols, dt, layout, wshift):
 def test_many_rows_per_block(rows, cols, dt, layout):
     """Persistent grids: each block (or cluster) walks several rows through the cp.async
     pipeline; offset views give rows whose heads differ (partial 16-byte words). 300 x 40000:
-    more rows than resident clusters (the persistent two-block clusters of 16-bit softmax,
-    log_softmax, rms_norm and layer_norm; the plain cluster kernels of cross-entropy and of
-    float32)."""
+    more cluster rows than fit on the GPU at once (16-bit rows on 4-block clusters held in
+    shared memory, float32 rows on 8-block clusters)."""
     rng = np.random.default_rng(rows)
     h, x = make(rng, "cupy", rows, cols, dt, layout)
     check(cupylab.softmax(x), R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")
