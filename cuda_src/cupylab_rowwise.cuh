@@ -106,10 +106,10 @@ template <typename T, int V, int NV, int THREADS>
 __device__ __forceinline__ void launder(RowHold<T, V, NV, THREADS, false>& a) {
     launder(a.v);
 }
+// (a row in shared memory needs no laundering: every access above is already a compiler
+// barrier, so nothing read in one pass is reused in the next)
 template <typename T, int V, int NV, int THREADS>
-__device__ __forceinline__ void launder(RowHold<T, V, NV, THREADS, true>&) {
-    asm volatile("" ::: "memory");
-}
+__device__ __forceinline__ void launder(RowHold<T, V, NV, THREADS, true>&) {}
 template <typename T, int V, typename A>
 __device__ __forceinline__ void pack(const A (&f)[V], Vec<T, V>& v) {
 #pragma unroll

@@ -157,7 +157,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             const A mz = (m == neg_inf<A>()) ? A(0) : m;
             // cross-entropy keeps more values live (target, loss terms) than the softmaxes:
             // for 16-bit rows the unpacked halves kept from the first pass spilled (ptxas)
-            if constexpr ((OP == OP_CE && sizeof(T) == 2) || SROW) launder(a);
+            if constexpr (OP == OP_CE && sizeof(T) == 2) launder(a);
             // softmax keeps each exp(x - mz) for the output pass instead of computing the
             // accurate exp twice: float32 / float64 rows in the row's own registers (the same
             // type: nothing is rounded), 16-bit rows in float registers of their own (the
@@ -466,7 +466,6 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
         }
         if ((OP != OP_CE || p.out0) && OP != OP_RMS && OP != OP_LN && OP != OP_ADD_RMS) {
-            if constexpr (SROW) launder(a);
             int sb = sbase, hd = head;
             if constexpr (SROW) asm volatile("" : "+r"(sb), "+r"(hd));
 #pragma unroll
