@@ -161,8 +161,9 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             // softmax keeps each exp(x - mz) for the output pass instead of computing the
             // accurate exp twice: float32 / float64 rows in the row's own registers (the same
             // type: nothing is rounded), 16-bit rows in float registers of their own (the
-            // packed halves would round it). Across a cluster mz is this thread's own maximum:
-            // the output scales the kept exps by exp(mz - row maximum).
+            // packed halves would round it; 16-bit rows held in shared memory keep none and
+            // compute them again from the row maximum). Across a cluster mz is this thread's
+            // own maximum: the output scales the kept exps by exp(mz - row maximum).
             constexpr bool KEEP_EXP = OP == OP_SOFTMAX && IsSame<T, A>::value;
             constexpr bool KEEP_EXP_F = OP == OP_SOFTMAX && !IsSame<T, A>::value && !SROW;
             // cross-entropy on float32 rows keeps them too when the gradient is written
@@ -529,7 +530,7 @@ __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) ro
 
 // The cluster kernel with the row staged in shared memory (sm_90): each block copies its whole
 // segment with cp.async (THREADS * NV 16-byte slots of dynamic shared memory) and reads it
-// back at every pass; the cluster classes of _rowcore.SMEM16_OPS on 16-bit rows (smem_rows)
+// back at every pass; the cluster classes of _rowcore.SMEM_OPS on 16-bit and float32 rows
 template <typename T, int OP, int THREADS, int NV, int C>
 __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) row_smem_kernel(const RowArgs p) {
 #if CL_HAS_CLUSTER

@@ -85,7 +85,7 @@ FILES = {  # stored file -> what it holds
     "smem16_before.json": "the same cases in the same run, before it (bb196a1)",
     "smem16soft_after.json": "long 16-bit softmax rows held in shared memory (H200)",
     "smem16soft_before.json": "the same cases in the same run, before it (bb196a1)",
-    "smem32_after.json": "long float32 rows held in shared memory, not landed (H200)",
+    "smem32_after.json": "long float32 rows held in shared memory across their cluster (H200)",
     "smem32_before.json": "the same cases in the same run, the register classes (eaadb78)",
 }
 

@@ -42,21 +42,29 @@ def test_choose_forward_bf16(cols, head, cc, expect):
     assert rc.choose(0, BF16, cols, True, head, cc) == expect
 
 
-def test_choose_16_bit_shared_memory_cluster_rows():
-    # 16-bit softmax, log_softmax, rms_norm, layer_norm and cross-entropy hold a cluster row in
-    # shared memory (256-thread blocks); add_rms_norm and float32 rows keep the register
-    # cluster classes
-    for cols, cls in ((32769, (256, 256, 8, 4)), (65536, (256, 256, 8, 4)),
-                      (65537, (256, 256, 8, 8)), (262144, (256, 256, 16, 8))):
-        for op in (0, 1, 2, 3, 5):
-            for dt in (BF16, F16):
-                assert rc.choose(op, dt, cols, True, 0, 90) == cls
-                assert rc.smem_rows(op, dt) and not rc.pipelined(op, dt, cls)
-                assert rc.kernel_name(op, dt, cls).startswith("cl::row_smem_kernel<")
+def test_choose_shared_memory_cluster_rows():
+    # 16-bit and float32 softmax, log_softmax, rms_norm, layer_norm and cross-entropy hold a
+    # cluster row in shared memory (256-thread blocks); add_rms_norm and float64 rows keep the
+    # register cluster classes
+    for dts, cases in (((BF16, F16), ((32769, (256, 256, 8, 4)), (65536, (256, 256, 8, 4)),
+                                      (65537, (256, 256, 8, 8)), (262144, (256, 256, 16, 8)))),
+                       ((F32,), ((16385, (256, 256, 8, 4)), (32768, (256, 256, 8, 4)),
+                                 (32769, (256, 256, 8, 8)), (65537, (256, 256, 16, 8)),
+                                 (131072, (256, 256, 16, 8))))):
+        for cols, cls in cases:
+            for op in (0, 1, 2, 3, 5):
+                for dt in dts:
+                    assert rc.choose(op, dt, cols, True, 0, 90) == cls
+                    assert rc.smem_rows(op, dt) and not rc.pipelined(op, dt, cls)
+                    assert rc.kernel_name(op, dt, cls).startswith("cl::row_smem_kernel<")
+                    assert rc.row_smem_bytes(op, dt, cls) == cls[0] * cls[2] * 16
     assert rc.choose(4, BF16, 65536, True, 0, 90) == (512, 512, 4, 4)
-    assert rc.choose(0, F32, 32768, True, 0, 90) == (512, 512, 4, 4)
-    assert not rc.smem_rows(4, BF16) and not rc.smem_rows(0, F32)
-    assert rc.kernel_name(0, F32, (512, 512, 4, 4)).startswith("cl::row_cluster_kernel<")
+    assert rc.choose(4, F32, 32768, True, 0, 90) == (512, 512, 4, 4)
+    assert rc.choose(0, F64, 16384, True, 0, 90) == (512, 512, 4, 4)
+    assert not rc.smem_rows(4, BF16) and not rc.smem_rows(4, F32) and not rc.smem_rows(0, F64)
+    assert rc.row_smem_bytes(0, F64, (512, 512, 4, 4)) == 0
+    assert rc.row_smem_bytes(0, F32, (1024, 1024, 4, 1)) == 0  # one block: registers
+    assert rc.kernel_name(0, F64, (512, 512, 4, 4)).startswith("cl::row_cluster_kernel<")
     names = rc.name_expressions("norm", BF16)
     assert "cl::row_smem_kernel<cl::bf16_t, 2, 256, 8, 4>" in names
     assert "cl::row_cluster_kernel<cl::bf16_t, 4, 512, 4, 4>" in names
@@ -67,8 +75,8 @@ def test_choose_16_bit_shared_memory_cluster_rows():
 
 def test_choose_generic_cases():
     assert rc.choose(0, BF16, 100, False, 0, 90) is None  # strided last axis
-    assert rc.choose(0, F32, 65536, True, 0, 90) == (512, 512, 4, 8)
-    assert rc.choose(0, F32, 131072, True, 0, 90) == (1024, 1024, 4, 8)
+    assert rc.choose(0, F32, 65536, True, 0, 90) == (256, 256, 8, 8)
+    assert rc.choose(0, F32, 131072, True, 0, 90) == (256, 256, 16, 8)
     assert rc.choose(0, F32, 131073, True, 0, 90) is None
     assert rc.choose(0, F64, 65536, True, 0, 90) == (1024, 1024, 4, 8)
     # backward: no clusters; weight-gradient ops need fixed heads

@@ -41,16 +41,17 @@ BWD_W = (12, 13)
 FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
               (128, 128, 4, 1), (256, 256, 4, 1), (512, 512, 4, 1), (1024, 1024, 4, 1),
               (512, 512, 4, 4), (512, 512, 4, 8), (1024, 1024, 4, 8))
-#: 16-bit softmax, log_softmax, rms_norm, layer_norm and cross-entropy hold a cluster row in
-#: shared memory (row_smem_kernel): each block copies its whole segment with cp.async at once
-#: and reads it back at every pass, so a block needs few registers and 256-thread blocks of
-#: four clusters share an SM, one loading while the others reduce. bf16, against the register
-#: cluster classes (scripts/bench_ab.sh, docs/tuning.md "Long rows"; H100 for the four ops,
-#: H200 for softmax): 8192x128256 1.31-1.58x (cross-entropy 3.17 -> 2.05 ms), 4096x40000
-#: 1.14-1.63x, 1024x65536 1.07-1.49x. float32 and float64 rows, and add_rms_norm (two
-#: inputs), keep the register classes.
-SMEM16_OPS = (0, 1, 2, 3, 5)
-SMEM16_LADDER = tuple(c for c in FWD_LADDER if c[3] == 1) + (
+#: 16-bit and float32 softmax, log_softmax, rms_norm, layer_norm and cross-entropy hold a
+#: cluster row in shared memory (row_smem_kernel): each block copies its whole segment with
+#: cp.async at once and reads it back at every pass, so a block needs few registers and
+#: 256-thread blocks of four clusters share an SM, one loading while the others reduce.
+#: Against the register cluster classes (scripts/bench_ab.sh, docs/tuning.md "Long rows"):
+#: bf16 (H100 for the four ops, H200 for softmax) 8192x128256 1.31-1.58x (cross-entropy 3.17
+#: -> 2.05 ms), 4096x40000 1.14-1.63x, 1024x65536 1.07-1.49x; float32 (H200) 4096x128256
+#: 1.39-2.20x, 4096x40000 1.46-1.69x, 1024x65536 1.03-1.47x. float64 rows and add_rms_norm
+#: (two inputs) keep the register classes.
+SMEM_OPS = (0, 1, 2, 3, 5)
+SMEM_LADDER = tuple(c for c in FWD_LADDER if c[3] == 1) + (
     (256, 256, 8, 4), (256, 256, 8, 8), (256, 256, 16, 8))
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
@@ -82,8 +83,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def ladder(op, dt):
-    if dt.itemsize == 2 and op in SMEM16_OPS:
-        return SMEM16_LADDER
+    if dt.itemsize in (2, 4) and op in SMEM_OPS:
+        return SMEM_LADDER
     if dt.itemsize == 2 and op == 12:
         return RMS16_BWD_LADDER
     if dt.itemsize == 2 and op == 13:
@@ -102,15 +103,15 @@ def pipelined(op, dt, cls):
     persistent cluster pipeline measured slower than the plain cluster kernel on the 4- and
     8-block classes of every op (H100, 2026-12-05: bf16 1024x65536 and 8192x128256
     0.79-0.97x, float32 1024x65536 0.72-0.79x), and the two-block class it won on (16-bit,
-    up to 65,536 elements) gave way to shared-memory rows (:data:`SMEM16_LADDER`;
+    up to 65,536 elements) gave way to shared-memory rows (:data:`SMEM_LADDER`;
     docs/tuning.md, "Long rows")."""
     return cls[3] == 1 and piped(op, dt)
 
 
 def smem_rows(op, dt):
     """Whether the cluster classes of ``op`` on ``dt`` hold their row in shared memory
-    (row_smem_kernel, :data:`SMEM16_LADDER`; :func:`row_smem_bytes`)."""
-    return dt.itemsize == 2 and op in SMEM16_OPS
+    (row_smem_kernel, :data:`SMEM_LADDER`; :func:`row_smem_bytes`)."""
+    return dt.itemsize in (2, 4) and op in SMEM_OPS
 
 
 def row_smem_bytes(op, dt, cls):
