@@ -28,6 +28,8 @@ _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 #: that is 4 full waves on an SM holding 2048 threads, enough to hide memory latency, while
 #: larger inputs make each thread loop instead of paying for more blocks.
 BLOCKS_PER_SM_1D = 32
+#: device -> the largest grid of a launch_1d there (BLOCKS_PER_SM_1D blocks per SM)
+_GRID_1D: dict = {}
 
 
 def _dims(v, what, lo):
@@ -108,7 +110,7 @@ class Kernel:
     """
 
     __slots__ = ("name", "signature", "module", "_k", "_params", "_n", "_smem_set", "_binders",
-                 "_bound")
+                 "_lean")
 
     def __init__(self, module, name_expression, signature, program):
         self.name = name_expression
@@ -119,7 +121,9 @@ class Kernel:
         self._k = _launch.Kernel(program, name_expression, signature.formats)
         self._smem_set = {}
         self._binders = {}  # tuple of argument types -> binder (cupylab._kfast), or None
-        self._bound = None  # the binder used last: tried first, before the types are looked up
+        # the launcher of the binder used last (bind.go: checks, packs and launches in one
+        # call), tried first, before the argument types are looked up
+        self._lean = None
 
     def __repr__(self):
         return f"<cupylab.Kernel {self.signature}>"
@@ -238,14 +242,12 @@ class Kernel:
         cupylab.CompileError
             On the first launch, when NVRTC rejects the source.
         """
-        bound = self._bound
-        if (bound is not None and type(grid) is int and 0 < grid <= _MAX_GRID_X
+        go = self._lean
+        if (go is not None and type(grid) is int and 0 < grid <= _MAX_GRID_X
                 and type(block) is int and 0 < block <= _MAX_BLOCK and type(shared_mem) is int
-                and 0 <= shared_mem <= _SMEM_DEFAULT_MAX):
-            r = bound(args, stream)  # the lean path: cupylab._kfast
-            if r is not None:
-                self._k.launch(r[1], grid, block, r[2], r[0], shared_mem)
-                return
+                and 0 <= shared_mem <= _SMEM_DEFAULT_MAX
+                and go(args, stream, 0, grid, block, shared_mem)):  # the lean path: _kfast
+            return
         g = (grid, 1, 1) if type(grid) is int and 0 < grid <= _MAX_GRID_X else _grid(grid)
         b = (block, 1, 1) if type(block) is int and 0 < block <= _MAX_BLOCK else _block(block)
         if type(shared_mem) is not int or shared_mem < 0:
@@ -283,17 +285,12 @@ class Kernel:
             As for :meth:`__call__`; also ``ValueError`` for an ``n`` that is not a
             non-negative integer, or a block that is not 1-D.
         """
-        bound = self._bound
-        if (bound is not None and type(n) is int and n > 0 and type(block) is int
+        go = self._lean
+        if (go is not None and type(n) is int and n > 0 and type(block) is int
                 and 0 < block <= _MAX_BLOCK and type(shared_mem) is int
-                and 0 <= shared_mem <= _SMEM_DEFAULT_MAX):
-            r = bound(args, stream)  # the lean path: cupylab._kfast
-            if r is not None:
-                d = r[1]
-                grid = min(-(-n // block), _runtime.device_info(d).sm_count * BLOCKS_PER_SM_1D,
-                           _MAX_GRID_X)
-                self._k.launch(d, grid, block, r[2], r[0], shared_mem)
-                return
+                and 0 <= shared_mem <= _SMEM_DEFAULT_MAX
+                and go(args, stream, n, 0, block, shared_mem)):  # the lean path: _kfast
+            return
         if type(n) is not int or n < 0:
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
                 raise ValueError(f"{self.name}: n must be a non-negative int (got {n!r})")
@@ -313,14 +310,15 @@ class Kernel:
         binder = self._binders.get(key, _UNSEEN)
         if binder is _UNSEEN:
             self._launch_checked(args, grid, block, smem, stream, n1d)
-            binder = self._binders[key] = _kfast.make_binder(self._params, args)
+            binder = self._binders[key] = _kfast.make_binder(self._params, args, self._k,
+                                                              _GRID_1D)
             if binder is not None:
-                self._bound = binder
+                self._lean = binder.go
         elif binder is None or not self._launch_bound(binder, args, grid, block, smem, stream,
                                                       n1d):
             self._launch_checked(args, grid, block, smem, stream, n1d)
         else:
-            self._bound = binder
+            self._lean = binder.go
 
     def _launch_bound(self, binder, args, grid, block, smem, stream, n1d):
         """The lean path (:mod:`cupylab._kfast`): launch with a binder of this argument
@@ -379,8 +377,11 @@ class Kernel:
     def _go(self, device, grid, block, smem, s, values, n1d):
         """The launch itself, arguments checked and packed values ready; ``device`` current."""
         if n1d is not None:
-            sm = _runtime.device_info(device).sm_count
-            grid = (min(-(-n1d // block[0]), sm * BLOCKS_PER_SM_1D, _MAX_GRID_X), 1, 1)
+            most = _GRID_1D.get(device)
+            if most is None:
+                most = _GRID_1D.setdefault(device, min(
+                    _runtime.device_info(device).sm_count * BLOCKS_PER_SM_1D, _MAX_GRID_X))
+            grid = (min(-(-n1d // block[0]), most), 1, 1)
         if smem > _SMEM_DEFAULT_MAX:
             self._opt_in_smem(device, smem)
         self._k.launch(device, grid[0], block[0], s, values, smem, grid[1:], block[1:])

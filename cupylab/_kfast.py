@@ -10,8 +10,9 @@ and tried first while the pattern repeats. A binder is a function compiled for t
 per parameter it does only the reads that cannot be cached:
 
 * torch tensor: type and dtype identity (the dtype the full path accepted, or any supported
-  one for ``void*``/``char*``), ``is_cuda``, ``requires_grad``, ``layout``, ``is_neg()`` (and
-  ``is_conj()`` where the dtype may be complex), ``get_device()`` and ``data_ptr()``;
+  one for ``void*``/``char*``), ``requires_grad``, ``is_neg()`` (and ``is_conj()`` where the
+  dtype may be complex), ``get_device()`` and ``data_ptr()`` (a CPU tensor's device, -1, is
+  never the current one, and ``data_ptr()`` raises for sparse layouts);
 * CuPy array: type, dtype, contiguity (else the byte strides are checked as
   :func:`cupylab._arrays._from_cupy` does), ``data.device_id`` and ``data.ptr``;
 * scalar: the parameter's converter (range checks included; an ``int`` for an integer
@@ -43,18 +44,27 @@ MISS = object()
 _ADDR_END = 1 << 64
 
 
-def make_binder(params, args):
+def make_binder(params, args, kernel=None, grid_1d=None):
     """The binder of the pattern of ``args``, which a full-path launch has just accepted: a
     function ``bind(args, stream)`` that returns ``(values, device, stream handle)`` for a
     launch of ``args``, or ``None`` to take the full path. ``None`` instead of a binder when
     the pattern is not one this path binds (JAX, Numba, CAI, DLPack arrays; no array at all).
+
+    With ``kernel`` (the :class:`cupylab._launch.Kernel` to launch) and ``grid_1d`` (device ->
+    the largest grid of :meth:`~cupylab.kernels.Kernel.launch_1d`), the binder also has
+    ``bind.go(args, stream, n, grid, block, smem)``: the same checks, then the launch itself
+    (``n > 0``: the grid of ``launch_1d`` for ``n`` elements; else ``grid``), packed into the
+    kernel's parameter buffer and handed to the driver in the same function; it returns
+    ``True``, or ``None``, having launched nothing, where ``bind`` would, or where the kernel
+    has no function or parameter buffer yet on this device and thread (the full path makes
+    them). One Python call per launch instead of three.
 
     The binder is compiled for the pattern: straight-line code with one block per parameter
     (no loop, no call per array), the pattern's types, dtypes and converters bound as
     constants. Its source is made of identifiers and numbers only; every value (types,
     dtypes, converters, message prefixes) is passed in its namespace.
     """
-    env = {"_k": sys.modules[__name__], "_launch": _launch, "S": _arrays._torch_strided}
+    env = {"_k": sys.modules[__name__], "_launch": _launch}
     body, values, devices, torch_seen = [], [], [], False
     for p, a in zip(params, args):
         i, v = p.index, f"a{p.index}"
@@ -87,8 +97,10 @@ def make_binder(params, args):
             env[f"A{i}"] = _arrays._torch_dtypes
             dt = f"{v}.dtype is not W{i}" if p.dtype is not None else f"{v}.dtype not in A{i}"
             conj = f" or {v}.is_conj()" if p.dtype is None or p.dtype.kind == "c" else ""
-            body += [f"if (type({v}) is not T{i} or {dt} or not {v}.is_cuda or {v}.requires_grad",
-                     f"        or {v}.layout is not S or {v}.is_neg(){conj}):",
+            # no is_cuda or layout reads: a CPU tensor's device is -1, never the current
+            # one, and data_ptr() raises for the sparse layouts (the only others on a GPU)
+            body += [f"if (type({v}) is not T{i} or {dt} or {v}.requires_grad",
+                     f"        or {v}.is_neg(){conj}):",
                      "    return None",
                      f"d{i} = {v}.get_device()",
                      f"v{i} = {v}.data_ptr()"]
@@ -120,15 +132,33 @@ def make_binder(params, args):
              "    s = _launch.resolve_stream(stream)",
              "else:",  # torch's current stream when a tensor is among the arguments
              f"    s = (_k._torch_raw or _k._init_torch())({d0})" if torch_seen else
-             "    s = (_k._cupy_current or _k._init_cupy())().ptr",
-             f"return ({', '.join(values)},), {d0}, s"]
-    src = ("def bind(args, stream):\n    try:\n"
-           f"        {''.join(f'a{p.index}, ' for p in params)}= args\n"
-           + "".join(f"        {line}\n" for line in body)
-           + "    except Exception:  # anything odd: the full path checks and explains\n"
-           + "        return None\n")
+             "    s = (_k._cupy_current or _k._init_cupy())().ptr"]
+    head = f"        {''.join(f'a{p.index}, ' for p in params)}= args\n"
+    checks = "".join(f"        {line}\n" for line in body)
+    miss = ("    except Exception:  # anything odd: the full path checks and explains\n"
+            "        return None\n")
+    src = ("def bind(args, stream):\n    try:\n" + head + checks
+           + f"        return ({', '.join(values)},), {d0}, s\n" + miss)
+    if kernel is not None:
+        # the launch outside the try: a driver error is the caller's, not a miss
+        env.update(FN=kernel._fns, TLS=kernel._tls, PACK=kernel._struct.pack_into, G=grid_1d)
+        src += ("def go(args, stream, n, grid, block, smem):\n    try:\n" + head + checks
+                + f"        f = FN.get({d0})\n"
+                + "        bp = TLS.bp\n"
+                + f"        g = G.get({d0}) if n else grid\n"
+                + miss
+                + "    L = _launch._driver_launch\n"
+                + "    if f is None or g is None or L is None:\n"
+                + "        return None\n"
+                + "    if n:\n"
+                + "        g = min(-(-n // block), g)\n"
+                + f"    PACK(bp[0], 0, {', '.join(values)})\n"
+                + "    L(f, g, 1, 1, block, 1, 1, smem, s, bp[2], 0)\n"
+                + "    return True\n")
     exec(compile(src, "<cupylab._kfast binder>", "exec"), env)  # noqa: S102 - see docstring
-    return env["bind"]
+    bind = env["bind"]
+    bind.go = env.get("go")
+    return bind
 
 
 # --------------------------------------------------------------------------------------------

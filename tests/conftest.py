@@ -1,5 +1,6 @@
 """Shared test helpers: GPU detection (GPU tests are skipped with a visible reason when there
 is none) and fake protocol objects that need no GPU."""
+import ctypes
 import os
 
 import pytest
@@ -132,9 +133,9 @@ def sim(monkeypatch):
 
     import types
 
-    from cupylab import _arrays, _kfast, _launch, _runtime
+    from cupylab import _arrays, _kernel, _kfast, _launch, _runtime
 
-    rec = {"launches": [], "waits": []}
+    rec = {"launches": [], "waits": [], "direct": 0}  # direct: launches through the driver
     # the pretend streams are made-up numbers: never ask a real runtime about them (on a GPU
     # machine cudaStreamIsCapturing would dereference one)
     monkeypatch.setattr(_arrays, "_capturing", lambda stream: False)
@@ -150,14 +151,35 @@ def sim(monkeypatch):
     monkeypatch.setattr(_kfast, "_cupy_current", lambda: types.SimpleNamespace(
         ptr=_launch.current_stream("cupy", _runtime.current_device())))
 
+    handles = {}  # pretend CUfunction -> the kernel
+
     def launch(self, device, grid, block, stream, args, shared_mem=0, grid_yz=(1, 1),
                block_yz=(1, 1)):
-        self._struct.pack(*args)  # what the real launch packs
+        # the arguments as the real launch packs them (as the driver path reads them back)
+        packed = self._struct.unpack(self._struct.pack(*args))
         rec["launches"].append(dict(name=self.name_expression, grid=(grid,) + tuple(grid_yz),
                                     block=(block,) + tuple(block_yz), stream=stream,
-                                    args=tuple(args), smem=shared_mem))
+                                    args=packed, smem=shared_mem))
+        # as the real launch leaves them: the kernel's function on the device and this
+        # thread's parameter buffer (users' kernels then launch through the driver directly)
+        handles[id(self)] = self
+        self._fns.setdefault(device, id(self))
+        if not hasattr(self._tls, "bp"):
+            self._buffers()
+
+    def driver_launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        """cuLaunchKernel: the arguments are read back from the kernel's parameter buffer."""
+        k = handles[f]
+        rec["direct"] += 1
+        size = k._struct.size
+        raw = ctypes.string_at(ctypes.c_void_p.from_address(params).value, size) if size else b""
+        rec["launches"].append(dict(name=k.name_expression, grid=(gx, gy, gz),
+                                    block=(bx, by, bz), stream=stream,
+                                    args=k._struct.unpack(raw), smem=smem))
 
     monkeypatch.setattr(_launch.Kernel, "launch", launch)
+    monkeypatch.setattr(_launch, "_driver_launch", driver_launch)
+    monkeypatch.setattr(_kernel, "_GRID_1D", {})
     return rec
 
 

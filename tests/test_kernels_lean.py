@@ -10,6 +10,7 @@ nothing launched.
 """
 import contextlib
 import sys
+import threading
 import types
 
 import numpy as np
@@ -229,6 +230,43 @@ def test_binder_launches_what_the_full_path_launches(fw, kind):
     assert fw.launches[-1]["grid"] == (132 * 32, 1, 1) and fw.launches[-1]["stream"] == 0x43
     assert fw.full == 1
     assert len(k._binders) == 1
+
+
+def test_the_lean_launch_calls_the_driver_itself(fw, sim, monkeypatch):
+    # after the first launch of a pattern, the binder's launcher packs the kernel's parameter
+    # buffer and calls cuLaunchKernel in the same function (Kernel.launch is not called)
+    k = mod()["vadd"]
+    x, y, o = fw.c(), fw.c(), fw.t()
+    k.launch_1d(8, x, y, o, 8)
+    assert sim["direct"] == 0 and fw.full == 1
+    k.launch_1d(8, x, y, o, 8)
+    k(x, y, o, 8, grid=2, block=32)
+    assert sim["direct"] == 2 and fw.full == 1
+    assert fw.launches[-1]["grid"] == (2, 1, 1) and fw.launches[-1]["block"] == (32, 1, 1)
+    assert packed(k, fw.launches[-1]) == k.pack(x, y, o, 8)
+
+    # a driver error is the caller's: raised, not taken for a miss of the lean path
+    def refuse(*a):
+        raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
+
+    monkeypatch.setattr(_launch, "_driver_launch", refuse)
+    n = len(fw.launches)
+    with pytest.raises(RuntimeError, match="OUT_OF_RESOURCES"):
+        k.launch_1d(8, x, y, o, 8)
+    assert fw.full == 1 and len(fw.launches) == n
+
+
+def test_a_new_thread_takes_the_binder_once_to_make_its_parameter_buffer(fw, sim):
+    k = mod()["vadd"]
+    x, y, o = fw.t(), fw.t(), fw.t()
+    twice(fw, lambda: k.launch_1d(8, x, y, o, 8))
+    direct, n = sim["direct"], len(fw.launches)
+    t = threading.Thread(target=lambda: [k.launch_1d(8, x, y, o, 8) for _ in range(2)])
+    t.start()
+    t.join()
+    # the thread's first launch had no buffer: Kernel.launch made it; its second was direct
+    assert len(fw.launches) == n + 2 and sim["direct"] == direct + 1 and fw.full == 1
+    assert fw.launches[-2] == fw.launches[-1]
 
 
 def test_binder_scalars_untyped_pointers_and_addresses(fw):
