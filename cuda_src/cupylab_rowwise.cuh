@@ -71,6 +71,27 @@ __device__ __forceinline__ void unpack<half_t, 8, float>(const Vec<half_t, 8>& v
             "cvt.f32.f16 %0, lo;\n\t"
             "cvt.f32.f16 %1, hi; }" : "=f"(f[2 * i]), "=f"(f[2 * i + 1]) : "r"(w[i]));
 }
+// The maximum of a 16-bit slot's eight values, as a float: max.bf16x2 / max.f16x2 on the packed
+// words (exact: no rounding; NaN ignored as fmaxf does), then the two halves of the result.
+// Half the registers and instructions of unpacking every value first.
+template <typename T>
+__device__ __forceinline__ unsigned max2_packed(unsigned a, unsigned b) {
+    unsigned d;
+    if constexpr (IsSame<T, bf16_t>::value) asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    else asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+template <typename T>
+__device__ __forceinline__ unsigned neg_inf_packed() {
+    return IsSame<T, bf16_t>::value ? 0xff80ff80u : 0xfc00fc00u;
+}
+template <typename T>
+__device__ __forceinline__ float max_of_packed(unsigned w) {
+    T lo, hi;
+    lo.bits = (unsigned short)(w & 0xffffu);
+    hi.bits = (unsigned short)(w >> 16);
+    return fmaxf(to_acc(lo), to_acc(hi));
+}
 // An empty asm that claims to change the 32-bit words of v: values the compiler unpacked from
 // v in an earlier pass cannot be reused, so it does not keep them live (in registers, or
 // spilled) across a reduction; each pass unpacks again (one instruction an element).

@@ -119,12 +119,28 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         // the softmax family, 0 otherwise), so the hot loops need no per-element masks.
         if constexpr (OP == OP_SOFTMAX || OP == OP_LOG_SOFTMAX || OP == OP_CE) {
             A m = neg_inf<A>();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+            if constexpr (SROW && sizeof(T) == 2 && V == 8) {
+                // rows in shared memory: the max on packed pairs (unpacking every value here
+                // made ptxas batch the reads and spill the halves)
+                unsigned pm = neg_inf_packed<T>();
 #pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                A f[V];
-                unpack<T, V>(a[j], f);
+                for (int j = 0; j < NV; ++j) {
+                    const unsigned* w = reinterpret_cast<const unsigned*>(&a[j]);
 #pragma unroll
-                for (int k = 0; k < V; ++k) m = max_acc(m, f[k]);
+                    for (int i = 0; i < 4; ++i) pm = max2_packed<T>(pm, w[i]);
+                }
+                m = max_of_packed<T>(pm);
+            } else
+#endif
+            {
+#pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    A f[V];
+                    unpack<T, V>(a[j], f);
+#pragma unroll
+                    for (int k = 0; k < V; ++k) m = max_acc(m, f[k]);
+                }
             }
             // cross-entropy: the target logit is read before the reduction's barriers, so that
             // with grad_out == logits no thread has overwritten it yet

@@ -163,7 +163,7 @@ def test_softmax_special_values():
         assert got[0, 1] == -np.inf and np.isfinite(got[0, 0])
 
 
-@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dt", ["float32", "bfloat16", "float16"])  # 16-bit: packed max
 @pytest.mark.parametrize("cols", [40000, 3000])  # 4 or 8 blocks a row; one block
 def test_cluster_rows_combine_max_and_sum_pairs(dt, cols):
     """Cluster rows (40,000 columns: 4 or 8 blocks a row) reduce (max, sum) pairs across the
