@@ -87,6 +87,10 @@ FILES = {  # stored file -> what it holds
     "smem16soft_before.json": "the same cases in the same run, before it (bb196a1)",
     "smem32_after.json": "long float32 rows held in shared memory across their cluster (H200)",
     "smem32_before.json": "the same cases in the same run, the register classes (eaadb78)",
+    "smem32b_after.json": "float32 rows in shared memory, two more shapes (H200)",
+    "smem32b_before.json": "the same cases in the same run, the register classes (bb196a1)",
+    "pmax16_after.json": "16-bit softmax-family maximum on packed words (H200)",
+    "pmax16_before.json": "the same cases in the same run, before it (52588ef)",
 }
 
 
