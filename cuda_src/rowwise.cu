@@ -188,22 +188,31 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             const bool keep = CE_KEEP && p.out0 && !((A)p.smooth > A(0));
             A ek[KEEP_EXP_F ? NV : 1][KEEP_EXP_F ? V : 1];
             A s = A(0);
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                A f[V];
-                unpack<T, V>(a[j], f);
-#pragma unroll
-                for (int k = 0; k < V; ++k) {
-                    const A e = exp_row<T>(f[k] - mz);
-                    if constexpr (OP == OP_CE) s += (j * TPR * V + k == tt) ? A(0) : e;
-                    else s += e;
-                    if constexpr (KEEP_EXP) a[j].v[k] = e;
-                    if constexpr (CE_KEEP) {
-                        if (keep) a[j].v[k] = e;
-                    }
-                    if constexpr (KEEP_EXP_F) ek[j][k] = e;
-                }
+            // cross-entropy: whether this thread holds the target. In the shared-memory rows
+            // only that thread compares element indices with the target's (a compare and a
+            // select an element); the register kernels keep one loop (two made ptxas spill).
+            const bool own = !SROW ||
+                             (OP == OP_CE && tt >= 0 && tt < NV * TPR * V && tt % (TPR * V) < V);
+#define CL_EXP_PASS(SEL)                                                                \
+    _Pragma("unroll") for (int j = 0; j < NV; ++j) {                                    \
+        A f[V];                                                                         \
+        unpack<T, V>(a[j], f);                                                          \
+        _Pragma("unroll") for (int k = 0; k < V; ++k) {                                 \
+            const A e = exp_row<T>(f[k] - mz);                                          \
+            s += ((SEL) && j * TPR * V + k == tt) ? A(0) : e;                           \
+            if constexpr (KEEP_EXP) a[j].v[k] = e;                                      \
+            if constexpr (CE_KEEP) {                                                    \
+                if (keep) a[j].v[k] = e;                                                \
+            }                                                                           \
+            if constexpr (KEEP_EXP_F) ek[j][k] = e;                                     \
+        }                                                                               \
+    }
+            if (own) {
+                CL_EXP_PASS(true)
+            } else {
+                CL_EXP_PASS(false)
             }
+#undef CL_EXP_PASS
             MaxSum<A> ms;
             ms.m = m;
             if constexpr (C == 1) {
@@ -291,29 +300,66 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     // it again there made bfloat16 spill)
                     if constexpr (sizeof(T) == 2 && C == 1) launder(a);
                     const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);
-                    const A inv = A(1) / ms.s;
-                    const A sm = eps * n_inv;
-                    const A hit = A(1) - eps;
+                    if constexpr (SROW) {
+                        // scale * (e / sum - eps / n), less scale * (1 - eps) at the target:
+                        // one FMA an element, the target's subtraction in its own thread only,
+                        // and an ignored or bad row filled apart (the register kernels keep the
+                        // selects: this form made their float64 instances spill)
+                        const A mul = scale * (A(1) / ms.s);
+                        const A sm = scale * (eps * n_inv);
+                        const A hit = scale * (A(1) - eps);
+#define CL_GRAD_PASS(SEL)                                                               \
+    _Pragma("unroll") for (int j = 0; j < NV; ++j) {                                    \
+        A f[V], e[V];                                                                   \
+        unpack<T, V>(a[j], f);                                                          \
+        if (keep) {                                                                     \
+            _Pragma("unroll") for (int k = 0; k < V; ++k) e[k] = f[k] * kscale;         \
+        } else {                                                                        \
+            _Pragma("unroll") for (int k = 0; k < V; ++k) e[k] = exp_row<T>(f[k] - ms.m); \
+        }                                                                               \
+        _Pragma("unroll") for (int k = 0; k < V; ++k) {                                 \
+            f[k] = e[k] * mul - sm;                                                     \
+            if ((SEL) && j * TPR * V + k == tt) f[k] -= hit;                            \
+        }                                                                               \
+        pack<T, V>(f, a[j]);                                                            \
+    }
+                        if (ignored || bad) {  // the whole row: 0 (ignored) or NaN (bad target)
+                            A f[V];
 #pragma unroll
-                    for (int j = 0; j < NV; ++j) {
-                        A f[V], e[V];
-                        unpack<T, V>(a[j], f);
-                        if (keep) {
+                            for (int k = 0; k < V; ++k) f[k] = ignored ? A(0) : quiet_nan<A>();
 #pragma unroll
-                            for (int k = 0; k < V; ++k) e[k] = f[k] * kscale;
+                            for (int j = 0; j < NV; ++j) pack<T, V>(f, a[j]);
+                        } else if (own) {
+                            CL_GRAD_PASS(true)
                         } else {
-#pragma unroll
-                            for (int k = 0; k < V; ++k) e[k] = exp_row<T>(f[k] - ms.m);
+                            CL_GRAD_PASS(false)
                         }
+#undef CL_GRAD_PASS
+                    } else {
+                        const A inv = A(1) / ms.s;
+                        const A sm = eps * n_inv;
+                        const A hit = A(1) - eps;
 #pragma unroll
-                        for (int k = 0; k < V; ++k) {
-                            A g = e[k] * inv - sm;
-                            if (j * TPR * V + k == tt) g -= hit;
-                            f[k] = g * scale;
-                            if (ignored) f[k] = A(0);
-                            if (bad) f[k] = quiet_nan<A>();
+                        for (int j = 0; j < NV; ++j) {
+                            A f[V], e[V];
+                            unpack<T, V>(a[j], f);
+                            if (keep) {
+#pragma unroll
+                                for (int k = 0; k < V; ++k) e[k] = f[k] * kscale;
+                            } else {
+#pragma unroll
+                                for (int k = 0; k < V; ++k) e[k] = exp_row<T>(f[k] - ms.m);
+                            }
+#pragma unroll
+                            for (int k = 0; k < V; ++k) {
+                                A g = e[k] * inv - sm;
+                                if (j * TPR * V + k == tt) g -= hit;
+                                f[k] = g * scale;
+                                if (ignored) f[k] = A(0);
+                                if (bad) f[k] = quiet_nan<A>();
+                            }
+                            pack<T, V>(f, a[j]);
                         }
-                        pack<T, V>(f, a[j]);
                     }
                 }
             }
