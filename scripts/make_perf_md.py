@@ -91,6 +91,8 @@ FILES = {  # stored file -> what it holds
     "smem32b_before.json": "the same cases in the same run, the register classes (bb196a1)",
     "pmax16_after.json": "16-bit softmax-family maximum on packed words (H200)",
     "pmax16_before.json": "the same cases in the same run, before it (52588ef)",
+    "celean_after.json": "16-bit exps as one ex2, cross-entropy rows without per-element selects (H100)",
+    "celean_before.json": "the same cases in the same run, before it (e5ba5b4)",
 }
 
 
