@@ -301,15 +301,9 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     // it again there made bfloat16 spill)
                     if constexpr (sizeof(T) == 2 && C == 1) launder(a);
                     const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);
-                    if constexpr (SROW) {
-                        // scale * (e / sum - eps / n), less scale * (1 - eps) at the target:
-                        // one FMA an element, the target's subtraction in its own thread only,
-                        // and an ignored or bad row filled apart (the register kernels keep the
-                        // selects: this form made their float64 instances spill)
-                        const A mul = scale * (A(1) / ms.s);
-                        const A sm = scale * (eps * n_inv);
-                        const A hit = scale * (A(1) - eps);
-#define CL_GRAD_PASS(SEL)                                                               \
+// the gradient of a row: (e * MUL - SUB, less HIT at the target where SEL) * SCALE, with the
+// ignored (0) and bad (NaN) rows' values selected where MASK
+#define CL_GRAD_PASS(SEL, MUL, SUB, HIT, SCALE, MASK)                                   \
     _Pragma("unroll") for (int j = 0; j < NV; ++j) {                                    \
         A f[V], e[V];                                                                   \
         unpack<T, V>(a[j], f);                                                          \
@@ -319,11 +313,24 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             _Pragma("unroll") for (int k = 0; k < V; ++k) e[k] = exp_row<T>(f[k] - ms.m); \
         }                                                                               \
         _Pragma("unroll") for (int k = 0; k < V; ++k) {                                 \
-            f[k] = e[k] * mul - sm;                                                     \
-            if ((SEL) && j * TPR * V + k == tt) f[k] -= hit;                            \
+            A g = e[k] * (MUL) - (SUB);                                                 \
+            if ((SEL) && j * TPR * V + k == tt) g -= (HIT);                             \
+            f[k] = g * (SCALE);                                                         \
+            if (MASK) {                                                                 \
+                if (ignored) f[k] = A(0);                                               \
+                if (bad) f[k] = quiet_nan<A>();                                         \
+            }                                                                           \
         }                                                                               \
         pack<T, V>(f, a[j]);                                                            \
     }
+                    if constexpr (SROW) {
+                        // scale * (e / sum - eps / n), less scale * (1 - eps) at the target:
+                        // one FMA an element, the target's subtraction in its own thread only,
+                        // and an ignored or bad row filled apart (the register kernels keep the
+                        // selects: this form made their float64 instances spill)
+                        const A mul = scale * (A(1) / ms.s);
+                        const A sm = scale * (eps * n_inv);
+                        const A hit = scale * (A(1) - eps);
                         if (ignored || bad) {  // the whole row: 0 (ignored) or NaN (bad target)
                             A f[V];
 #pragma unroll
@@ -331,37 +338,17 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
                             for (int j = 0; j < NV; ++j) pack<T, V>(f, a[j]);
                         } else if (own) {
-                            CL_GRAD_PASS(true)
+                            CL_GRAD_PASS(true, mul, sm, hit, A(1), false)
                         } else {
-                            CL_GRAD_PASS(false)
+                            CL_GRAD_PASS(false, mul, sm, hit, A(1), false)
                         }
-#undef CL_GRAD_PASS
                     } else {
                         const A inv = A(1) / ms.s;
                         const A sm = eps * n_inv;
                         const A hit = A(1) - eps;
-#pragma unroll
-                        for (int j = 0; j < NV; ++j) {
-                            A f[V], e[V];
-                            unpack<T, V>(a[j], f);
-                            if (keep) {
-#pragma unroll
-                                for (int k = 0; k < V; ++k) e[k] = f[k] * kscale;
-                            } else {
-#pragma unroll
-                                for (int k = 0; k < V; ++k) e[k] = exp_row<T>(f[k] - ms.m);
-                            }
-#pragma unroll
-                            for (int k = 0; k < V; ++k) {
-                                A g = e[k] * inv - sm;
-                                if (j * TPR * V + k == tt) g -= hit;
-                                f[k] = g * scale;
-                                if (ignored) f[k] = A(0);
-                                if (bad) f[k] = quiet_nan<A>();
-                            }
-                            pack<T, V>(f, a[j]);
-                        }
+                        CL_GRAD_PASS(true, inv, sm, hit, scale, true)
                     }
+#undef CL_GRAD_PASS
                 }
             }
         } else if constexpr (OP == OP_RMS || OP == OP_ADD_RMS || OP == OP_LN) {

@@ -83,7 +83,7 @@ _INT32_MAX = 2**31 - 1
 
 
 def ladder(op, dt):
-    if dt.itemsize in (2, 4) and op in SMEM_OPS:
+    if smem_rows(op, dt):
         return SMEM_LADDER
     if dt.itemsize == 2 and op == 12:
         return RMS16_BWD_LADDER
