@@ -18,8 +18,10 @@ TOL = {"float16": (4e-3, 4e-3), "bfloat16": (2e-2, 2e-2), "float32": (2e-5, 2e-5
 
 # (rows, cols): every class of the ladder, the generic fallback, empty
 SHAPES = [(0, 33), (1, 1), (199, 1), (199, 3), (199, 31), (199, 32), (199, 33), (199, 127),
-          (199, 1000), (99, 2000), (60, 4097), (3, 12000), (3, 20000), (7, 40000), (5, 65537),
-          (2, 262144)]  # 12000 and 20000: the 4-block cluster class of float64 and float32
+          (199, 1000), (99, 2000), (60, 4097), (3, 12000), (3, 20000), (3, 24000), (3, 30000),
+          (7, 40000), (3, 45000), (2, 60000), (5, 65537), (2, 90000), (2, 262144)]
+# 12000: the 4-block cluster class of float64; 20000 to 90000: each shared-memory cluster
+# class of 16-bit and float32 rows (5, 6 and 8 vectors a thread in 4 blocks, then 8 blocks)
 SHAPES_BIG = [(1, 300000)]  # beyond every register class: the generic kernel
 
 

@@ -52,7 +52,8 @@ FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
 #: (two inputs) keep the register classes.
 SMEM_OPS = (0, 1, 2, 3, 5)
 SMEM_LADDER = tuple(c for c in FWD_LADDER if c[3] == 1) + (
-    (256, 256, 8, 4), (256, 256, 8, 8), (256, 256, 16, 8))
+    (256, 256, 5, 4), (256, 256, 6, 4), (256, 256, 8, 4), (256, 256, 5, 8), (256, 256, 6, 8),
+    (256, 256, 8, 8), (256, 256, 16, 8))
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
               (128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
