@@ -186,7 +186,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 666
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 726
 
 
 def test_errors_need_no_gpu():
@@ -392,7 +392,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 666
+    assert n == 726
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():
