@@ -49,7 +49,10 @@ FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
 #: bf16 (H100 for the four ops, H200 for softmax) 8192x128256 1.31-1.58x (cross-entropy 3.17
 #: -> 2.05 ms), 4096x40000 1.14-1.63x, 1024x65536 1.07-1.49x; float32 (H200) 4096x128256
 #: 1.39-2.20x, 4096x40000 1.46-1.69x, 1024x65536 1.03-1.47x. float64 rows and add_rms_norm
-#: (two inputs) keep the register classes.
+#: (two inputs) keep the register classes. The classes of 5 and 6 vectors a thread keep a row
+#: between the 8-vector classes from being padded (with -inf or 0) to the next one, whose
+#: padding costs instructions: Nsight Compute found these kernels issue-bound as much as
+#: memory-bound (docs/tuning.md).
 SMEM_OPS = (0, 1, 2, 3, 5)
 SMEM_LADDER = tuple(c for c in FWD_LADDER if c[3] == 1) + (
     (256, 256, 5, 4), (256, 256, 6, 4), (256, 256, 8, 4), (256, 256, 5, 8), (256, 256, 6, 8),
