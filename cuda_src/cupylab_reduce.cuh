@@ -131,6 +131,29 @@ __device__ __forceinline__ R dsmem_load(const R* p, unsigned rank) {
     return out;
 }
 
+// The cluster level of group_reduce alone: v is this block's partial (the same in every
+// thread of the block); every thread of the C blocks gets the combined value. One cluster
+// barrier a call; ``phase`` alternates between consecutive calls of a site (as group_reduce).
+template <int C, int SLOT, typename R, typename Op>
+__device__ __forceinline__ R cluster_reduce(R v, Op op, int phase) {
+    __shared__ R cpart[2];
+    R* buf = cpart + (phase & 1);
+    if (threadIdx.x == 0) *buf = v;
+    cluster_sync();
+    // Lane q of each group of C lanes reads block q's partial: one load a lane, the C
+    // loads in flight at once. The group combines them by shuffles. The ops are
+    // commutative, so every lane of every block ends with the same value, in a fixed
+    // order. The shuffle loop stays rolled: unrolled (or every thread reading all C
+    // partials, as before) kept the row's registers spilling around this reduction
+    // (ptxas, sm_90, 16-bit cross-entropy 92-112 bytes, layer_norm 24-40; now 0-68).
+    static_assert((C & (C - 1)) == 0 && C <= 32, "C is a power of two up to 32");
+    R acc = dsmem_load(buf, (unsigned)(threadIdx.x & (C - 1)));
+#pragma unroll 1
+    for (int o = 1; o < C; o <<= 1) acc = op(acc, shfl_xor(acc, o));
+    v = acc;
+    return v;
+}
+
 // Reduce v over the TPR threads of a row group (and the C blocks of a cluster). SLOT tells
 // the call sites of one kernel apart (each has its own shared memory). Must be called by
 // every thread of the block (all lanes take part in the shuffles).
@@ -159,23 +182,7 @@ __device__ __forceinline__ R group_reduce(R v, Op op, int phase) {
         for (int i = 1; i < NW; ++i) v = op(v, mine[i]);
         __syncthreads();
     }
-    if constexpr (C > 1) {
-        __shared__ R cpart[2];
-        R* buf = cpart + (phase & 1);
-        if (threadIdx.x == 0) *buf = v;
-        cluster_sync();
-        // Lane q of each group of C lanes reads block q's partial: one load a lane, the C
-        // loads in flight at once. The group combines them by shuffles. The ops are
-        // commutative, so every lane of every block ends with the same value, in a fixed
-        // order. The shuffle loop stays rolled: unrolled (or every thread reading all C
-        // partials, as before) kept the row's registers spilling around this reduction
-        // (ptxas, sm_90, 16-bit cross-entropy 92-112 bytes, layer_norm 24-40; now 0-68).
-        static_assert((C & (C - 1)) == 0 && C <= 32, "C is a power of two up to 32");
-        R acc = dsmem_load(buf, (unsigned)(threadIdx.x & (C - 1)));
-#pragma unroll 1
-        for (int o = 1; o < C; o <<= 1) acc = op(acc, shfl_xor(acc, o));
-        v = acc;
-    }
+    if constexpr (C > 1) v = cluster_reduce<C, SLOT>(v, op, phase);
     return v;
 }
 

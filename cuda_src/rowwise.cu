@@ -159,18 +159,18 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     tt = (int)(t - ((i64)sbase * V - head));
                 }
             }
-            // Within a block, the row maximum first, then the sum of exp(x - max): two plain
-            // reductions are cheaper than combining (max, sum) pairs (no exp per combine).
-            // Across a cluster, the (max, sum) pairs of the threads are combined in one
-            // reduction: one cluster barrier a row instead of two. An all -inf row sums
-            // exp(-inf - 0) = 0 and gives NaN below (like torch); NaN or +inf in a row make
-            // the sum NaN.
+            // Within a block, the maximum first, then the sum of exp(x - max): two plain
+            // reductions are cheaper than combining (max, sum) pairs (two exps per combine).
+            // Across a cluster, each block does the same with its own maximum, and the blocks'
+            // (max, sum) pairs are combined in one step: one cluster barrier a row instead of
+            // two. An all -inf row sums exp(-inf - 0) = 0 and gives NaN below (like torch);
+            // NaN or +inf in a row make the sum NaN.
             // Cross-entropy leaves the target's own term out of the sum and adds it after the
             // reduction: when the target is the max, the loss log(sum) - (xt - max) is then
             // log1p(others), which keeps its digits for a confident row (the others' sum
             // ~1e-7 is lost when added to the target's 1 in float32). A loss can only be
             // that small when the target is the max.
-            if constexpr (C == 1) m = group_reduce<TPR, C, 0, THREADS>(m, MaxOp(), it);
+            m = group_reduce<TPR, 1, 0, THREADS>(m, MaxOp(), it);  // a cluster: the block's
             const A mz = (m == neg_inf<A>()) ? A(0) : m;
             // cross-entropy keeps more values live (target, loss terms) than the softmaxes:
             // for 16-bit rows the unpacked halves kept from the first pass spilled (ptxas)
@@ -179,8 +179,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             // accurate exp twice: float32 / float64 rows in the row's own registers (the same
             // type: nothing is rounded), 16-bit rows in float registers of their own (the
             // packed halves would round it; 16-bit rows held in shared memory keep none and
-            // compute them again from the row maximum). Across a cluster mz is this thread's
-            // own maximum: the output scales the kept exps by exp(mz - row maximum).
+            // compute them again from the row maximum). Across a cluster mz is the block's own
+            // maximum: the output scales the kept exps by exp(mz - row maximum).
             constexpr bool KEEP_EXP = OP == OP_SOFTMAX && IsSame<T, A>::value;
             constexpr bool KEEP_EXP_F = OP == OP_SOFTMAX && !IsSame<T, A>::value && !SROW;
             // cross-entropy on float32 rows keeps them too when the gradient is written
@@ -216,19 +216,15 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #undef CL_EXP_PASS
             MaxSum<A> ms;
             ms.m = m;
-            if constexpr (C == 1) {
-                ms.s = group_reduce<TPR, C, 1, THREADS>(s, SumOp(), it);
-            } else {
-                ms.s = s;
-                ms = group_reduce<TPR, C, 1, THREADS>(ms, MaxSumOp(), it);
-            }
-            // the row maximum (across a cluster mz is this thread's own), 0 for a row of -inf
+            ms.s = group_reduce<TPR, 1, 1, THREADS>(s, SumOp(), it);
+            if constexpr (C > 1) ms = cluster_reduce<C, 1>(ms, MaxSumOp(), it);
+            // the row maximum (across a cluster mz is the block's own), 0 for a row of -inf
             const A gz = (ms.m == neg_inf<A>()) ? A(0) : ms.m;
-            // The kept exps are exp(x - mz). In one block mz is the row maximum (the max was
-            // reduced first), except for a row of -inf, where they are 0 and 0 * (1 / 0)
-            // gives NaN, as torch. Across a cluster mz is this thread's own maximum: they are
-            // scaled by exp(mz - gz) <= 1, and by 0 for a thread whose elements are all -inf
-            // (exp(0 - gz) could overflow); a row of -inf still gives 0 * (0 * (1 / 0)) = NaN.
+            // The kept exps are exp(x - mz). In one block mz is the row maximum, except for a
+            // row of -inf, where they are 0 and 0 * (1 / 0) gives NaN, as torch. Across a
+            // cluster mz is the block's own maximum: they are scaled by exp(mz - gz) <= 1,
+            // and by 0 for a block whose elements are all -inf (exp(0 - gz) could
+            // overflow); a row of -inf still gives 0 * (0 * (1 / 0)) = NaN.
             A kscale = A(1);
             if constexpr (C > 1 && (KEEP_EXP || KEEP_EXP_F || CE_KEEP))
                 kscale = m == neg_inf<A>() ? A(0) : exp_row<T>(mz - gz);

@@ -173,7 +173,7 @@ def test_cluster_rows_combine_max_and_sum_pairs(dt, cols):
     row gives NaN (like torch), a NaN or +inf anywhere makes the row NaN, and the values,
     losses and gradients match float64 elsewhere. The same rows in one block (3,000 columns)
     behave the same. Softmax and cross-entropy keep each element's exp (relative to the
-    thread's own maximum across a cluster) for the output: the -inf parts must come out 0 and
+    block's own maximum across a cluster) for the output: the -inf parts must come out 0 and
     the NaN rows NaN in the gradient too."""
     rng = np.random.default_rng(11)
     big = cols * 3 // 4
