@@ -93,6 +93,12 @@ FILES = {  # stored file -> what it holds
     "pmax16_before.json": "the same cases in the same run, before it (52588ef)",
     "celean_after.json": "16-bit exps as one ex2, cross-entropy rows without per-element selects (H100)",
     "celean_before.json": "the same cases in the same run, before it (e5ba5b4)",
+    "fit_after.json": "shared-memory cluster classes of 5 and 6 vectors a thread (H100)",
+    "fit_before.json": "the same cases in the same run, before them (c503b24)",
+    "blkmax_after.json": "softmax-family cluster rows: block maximum first, (max, sum) pairs (H100)",
+    "blkmax_before.json": "the same cases in the same run, before it (f29b560)",
+    "smempipe_after.json": "double-buffered shared-memory rows, persistent grid, not landed (H100)",
+    "smempipe_before.json": "the same cases in the same run, the landed kernels (b069045)",
 }
 
 
