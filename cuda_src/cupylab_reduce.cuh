@@ -150,8 +150,7 @@ __device__ __forceinline__ R cluster_reduce(R v, Op op, int phase) {
     R acc = dsmem_load(buf, (unsigned)(threadIdx.x & (C - 1)));
 #pragma unroll 1
     for (int o = 1; o < C; o <<= 1) acc = op(acc, shfl_xor(acc, o));
-    v = acc;
-    return v;
+    return acc;
 }
 
 // Reduce v over the TPR threads of a row group (and the C blocks of a cluster). SLOT tells

@@ -170,7 +170,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             // log1p(others), which keeps its digits for a confident row (the others' sum
             // ~1e-7 is lost when added to the target's 1 in float32). A loss can only be
             // that small when the target is the max.
-            m = group_reduce<TPR, 1, 0, THREADS>(m, MaxOp(), it);  // a cluster: the block's
+            m = group_reduce<TPR, 1, 0, THREADS>(m, MaxOp(), it);  // in a cluster, the block's
             const A mz = (m == neg_inf<A>()) ? A(0) : m;
             // cross-entropy keeps more values live (target, loss terms) than the softmaxes:
             // for 16-bit rows the unpacked halves kept from the first pass spilled (ptxas)
@@ -192,8 +192,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             // cross-entropy: whether this thread holds the target. In the shared-memory rows
             // only that thread compares element indices with the target's (a compare and a
             // select an element); the register kernels keep one loop (two made ptxas spill).
-            const bool own = !SROW ||
-                             (OP == OP_CE && tt >= 0 && tt < NV * TPR * V && tt % (TPR * V) < V);
+            const bool own = OP == OP_CE && (!SROW || (tt >= 0 && tt < NV * TPR * V &&
+                                                       tt % (TPR * V) < V));
 #define CL_EXP_PASS(SEL)                                                                \
     _Pragma("unroll") for (int j = 0; j < NV; ++j) {                                    \
         A f[V];                                                                         \

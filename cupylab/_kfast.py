@@ -44,14 +44,14 @@ MISS = object()
 _ADDR_END = 1 << 64
 
 
-def make_binder(params, args, kernel=None, grid_1d=None):
+def make_binder(params, args, kernel, grid_1d):
     """The binder of the pattern of ``args``, which a full-path launch has just accepted: a
     function ``bind(args, stream)`` that returns ``(values, device, stream handle)`` for a
     launch of ``args``, or ``None`` to take the full path. ``None`` instead of a binder when
     the pattern is not one this path binds (JAX, Numba, CAI, DLPack arrays; no array at all).
 
-    With ``kernel`` (the :class:`cupylab._launch.Kernel` to launch) and ``grid_1d`` (device ->
-    the largest grid of :meth:`~cupylab.kernels.Kernel.launch_1d`), the binder also has
+    ``kernel`` is the :class:`cupylab._launch.Kernel` to launch and ``grid_1d`` maps a device
+    to the largest grid of :meth:`~cupylab.kernels.Kernel.launch_1d` there. The binder also has
     ``bind.go(args, stream, n, grid, block, smem)``: the same checks, then the launch itself
     (``n > 0``: the grid of ``launch_1d`` for ``n`` elements; else ``grid``), packed into the
     kernel's parameter buffer and handed to the driver in the same function; it returns
@@ -139,25 +139,24 @@ def make_binder(params, args, kernel=None, grid_1d=None):
             "        return None\n")
     src = ("def bind(args, stream):\n    try:\n" + head + checks
            + f"        return ({', '.join(values)},), {d0}, s\n" + miss)
-    if kernel is not None:
-        # the launch outside the try: a driver error is the caller's, not a miss
-        env.update(FN=kernel._fns, TLS=kernel._tls, PACK=kernel._struct.pack_into, G=grid_1d)
-        src += ("def go(args, stream, n, grid, block, smem):\n    try:\n" + head + checks
-                + f"        f = FN.get({d0})\n"
-                + "        bp = TLS.bp\n"
-                + f"        g = G.get({d0}) if n else grid\n"
-                + miss
-                + "    L = _launch._driver_launch\n"
-                + "    if f is None or g is None or L is None:\n"
-                + "        return None\n"
-                + "    if n:\n"
-                + "        g = min(-(-n // block), g)\n"
-                + f"    PACK(bp[0], 0, {', '.join(values)})\n"
-                + "    L(f, g, 1, 1, block, 1, 1, smem, s, bp[2], 0)\n"
-                + "    return True\n")
+    # the launch outside the try: a driver error is the caller's, not a miss
+    env.update(FN=kernel._fns, TLS=kernel._tls, PACK=kernel._struct.pack_into, G=grid_1d)
+    src += ("def go(args, stream, n, grid, block, smem):\n    try:\n" + head + checks
+            + f"        f = FN.get({d0})\n"
+            + "        bp = TLS.bp\n"
+            + f"        g = G.get({d0}) if n else grid\n"
+            + miss
+            + "    L = _launch._driver_launch\n"
+            + "    if f is None or g is None or L is None:\n"
+            + "        return None\n"
+            + "    if n:\n"
+            + "        g = min(-(-n // block), g)\n"
+            + f"    PACK(bp[0], 0, {', '.join(values)})\n"
+            + "    L(f, g, 1, 1, block, 1, 1, smem, s, bp[2], 0)\n"
+            + "    return True\n")
     exec(compile(src, "<cupylab._kfast binder>", "exec"), env)  # noqa: S102 - see docstring
     bind = env["bind"]
-    bind.go = env.get("go")
+    bind.go = env["go"]
     return bind
 
 
