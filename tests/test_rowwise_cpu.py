@@ -31,6 +31,10 @@ def test_args_struct_size():
     (1000, 0, 90, (128, 32, 4, 1)), (1024, 0, 90, (128, 32, 4, 1)),
     (1025, 0, 90, (128, 64, 4, 1)), (2048, 0, 90, (128, 64, 4, 1)),
     (2049, 0, 90, (128, 128, 4, 1)), (8192, 0, 90, (256, 256, 4, 1)),
+    (16384, 0, 90, (512, 512, 4, 1)), (16385, 0, 90, (256, 256, 5, 2)),
+    (20480, 0, 90, (256, 256, 5, 2)), (20481, 0, 90, (256, 256, 6, 2)),
+    (24576, 0, 90, (256, 256, 6, 2)), (24577, 0, 90, (1024, 1024, 4, 1)),
+    (20000, 0, 80, (1024, 1024, 4, 1)),  # before sm_90: no clusters, the one-block class
     (32768, 0, 90, (1024, 1024, 4, 1)), (32769, 0, 90, (256, 256, 5, 4)),
     (40960, 0, 90, (256, 256, 5, 4)), (40961, 0, 90, (256, 256, 6, 4)),
     (49153, 0, 90, (256, 256, 8, 4)), (65536, 0, 90, (256, 256, 8, 4)),
@@ -49,11 +53,13 @@ def test_choose_shared_memory_cluster_rows():
     # 16-bit and float32 softmax, log_softmax, rms_norm, layer_norm and cross-entropy hold a
     # cluster row in shared memory (256-thread blocks); add_rms_norm and float64 rows keep the
     # register cluster classes
-    for dts, cases in (((BF16, F16), ((32769, (256, 256, 5, 4)), (45000, (256, 256, 6, 4)),
+    for dts, cases in (((BF16, F16), ((20000, (256, 256, 5, 2)), (24000, (256, 256, 6, 2)),
+                                      (32769, (256, 256, 5, 4)), (45000, (256, 256, 6, 4)),
                                       (65536, (256, 256, 8, 4)), (65537, (256, 256, 5, 8)),
                                       (90000, (256, 256, 6, 8)), (131072, (256, 256, 8, 8)),
                                       (262144, (256, 256, 16, 8)))),
-                       ((F32,), ((16385, (256, 256, 5, 4)), (24000, (256, 256, 6, 4)),
+                       ((F32,), ((10000, (256, 256, 5, 2)), (12000, (256, 256, 6, 2)),
+                                 (16385, (256, 256, 5, 4)), (24000, (256, 256, 6, 4)),
                                  (32768, (256, 256, 8, 4)), (32769, (256, 256, 5, 8)),
                                  (45000, (256, 256, 6, 8)), (65536, (256, 256, 8, 8)),
                                  (65537, (256, 256, 16, 8)), (131072, (256, 256, 16, 8))))):
@@ -67,6 +73,10 @@ def test_choose_shared_memory_cluster_rows():
     assert rc.choose(4, BF16, 65536, True, 0, 90) == (512, 512, 4, 4)
     assert rc.choose(4, F32, 32768, True, 0, 90) == (512, 512, 4, 4)
     assert rc.choose(0, F64, 16384, True, 0, 90) == (512, 512, 4, 4)
+    # the two-block classes are for the ops that hold a cluster row in shared memory; the
+    # others keep the one-block class there
+    assert rc.choose(4, BF16, 20000, True, 0, 90) == (1024, 1024, 4, 1)
+    assert rc.choose(0, F64, 5000, True, 0, 90) == (1024, 1024, 4, 1)
     assert not rc.smem_rows(4, BF16) and not rc.smem_rows(4, F32) and not rc.smem_rows(0, F64)
     assert rc.row_smem_bytes(0, F64, (512, 512, 4, 4)) == 0
     assert rc.row_smem_bytes(0, F32, (1024, 1024, 4, 1)) == 0  # one block: registers
@@ -186,7 +196,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 726
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 756
 
 
 def test_errors_need_no_gpu():
@@ -392,7 +402,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 726
+    assert n == 756
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():

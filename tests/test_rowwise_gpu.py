@@ -18,10 +18,13 @@ TOL = {"float16": (4e-3, 4e-3), "bfloat16": (2e-2, 2e-2), "float32": (2e-5, 2e-5
 
 # (rows, cols): every class of the ladder, the generic fallback, empty
 SHAPES = [(0, 33), (1, 1), (199, 1), (199, 3), (199, 31), (199, 32), (199, 33), (199, 127),
-          (199, 1000), (99, 2000), (60, 4097), (3, 12000), (3, 20000), (3, 24000), (3, 30000),
-          (7, 40000), (3, 45000), (2, 60000), (5, 65537), (2, 90000), (2, 262144)]
-# 12000: the 4-block cluster class of float64; 20000 to 90000: each shared-memory cluster
-# class of 16-bit and float32 rows (5, 6 and 8 vectors a thread in 4 blocks, then 8 blocks)
+          (199, 1000), (99, 2000), (60, 4097), (3, 10000), (3, 12000), (3, 16000), (3, 20000),
+          (3, 24000), (3, 30000), (7, 40000), (3, 45000), (2, 60000), (5, 65537), (2, 90000),
+          (2, 262144)]
+# 10000 to 90000: each shared-memory cluster class of 16-bit and float32 rows (5, 6 and 8
+# vectors a thread in 2 blocks (float32 10000 and 12000, 16-bit 20000 and 24000), 4 blocks,
+# then 8 blocks) and the 1,024-thread one-block class between them (float32 16000, 16-bit
+# 30000); 12000: the 4-block cluster class of float64
 SHAPES_BIG = [(1, 300000)]  # beyond every register class: the generic kernel
 
 

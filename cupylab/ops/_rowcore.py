@@ -53,9 +53,12 @@ FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
 #: between the 8-vector classes from being padded (with -inf or 0) to the next one, whose
 #: padding costs instructions: Nsight Compute found these kernels issue-bound as much as
 #: memory-bound (docs/tuning.md).
+#: Two-block classes of 5 and 6 vectors (sm_90) do the same for rows between the 512- and
+#: the 1,024-thread one-block classes (bf16 16,385-24,576 elements, float32 8,193-12,288),
+#: which filled 50-75 % of the 1,024-thread class.
 SMEM_OPS = (0, 1, 2, 3, 5)
-SMEM_LADDER = tuple(c for c in FWD_LADDER if c[3] == 1) + (
-    (256, 256, 5, 4), (256, 256, 6, 4), (256, 256, 8, 4), (256, 256, 5, 8), (256, 256, 6, 8),
+SMEM_LADDER = tuple(c for c in FWD_LADDER if c[3] == 1 and c[0] < 1024) + (
+    (256, 256, 5, 2), (256, 256, 6, 2), (1024, 1024, 4, 1), (256, 256, 5, 4), (256, 256, 6, 4), (256, 256, 8, 4), (256, 256, 5, 8), (256, 256, 6, 8),
     (256, 256, 8, 8), (256, 256, 16, 8))
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
