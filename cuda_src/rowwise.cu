@@ -576,9 +576,17 @@ __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) ro
 
 // The cluster kernel with the row staged in shared memory (sm_90): each block copies its whole
 // segment with cp.async (THREADS * NV 16-byte slots of dynamic shared memory) and reads it
-// back at every pass; the cluster classes of _rowcore.SMEM_OPS on 16-bit and float32 rows
+// back at every pass; the cluster classes of _rowcore.SMEM_OPS on 16-bit and float32 rows.
+// Blocks an SM it is compiled for (the register cap): as many as the segments' shared memory
+// allows up to 6 for float32 (40 registers) and 5 for 16-bit rows (48 registers; their
+// packed-word and conversion code needs more); a 16-vector segment (64 KiB) allows 3.
+template <typename T, int NV>
+__host__ __device__ constexpr int smem_min_blocks() {
+    return NV >= 16 ? 3 : (sizeof(T) == 4 ? 6 : 5);
+}
+
 template <typename T, int OP, int THREADS, int NV, int C>
-__global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, 1024 / THREADS) row_smem_kernel(const RowArgs p) {
+__global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, smem_min_blocks<T, NV>()) row_smem_kernel(const RowArgs p) {
 #if CL_HAS_CLUSTER
     row_reg<T, OP, THREADS, THREADS, NV, C, false, true>(p);
 #endif
