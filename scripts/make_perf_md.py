@@ -99,6 +99,12 @@ FILES = {  # stored file -> what it holds
     "blkmax_before.json": "the same cases in the same run, before it (f29b560)",
     "smempipe_after.json": "double-buffered shared-memory rows, persistent grid, not landed (H100)",
     "smempipe_before.json": "the same cases in the same run, the landed kernels (b069045)",
+    "fit2_after.json": "two-block shared-memory classes of 5 and 6 vectors a thread (H100)",
+    "fit2_before.json": "the same cases in the same run, before them (ac2d0f1)",
+    "occ_after.json": "shared-memory rows compiled for 5-6 blocks an SM (H100)",
+    "occ_before.json": "the same cases in the same run, before it (f510931)",
+    "fit2occ_after.json": "both changes together, second of two rounds (H100)",
+    "fit2occ_before.json": "the same cases in the same round, before both (ac2d0f1)",
 }
 
 
