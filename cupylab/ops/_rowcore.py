@@ -55,11 +55,15 @@ FWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 4, 1), (128, 64, 4, 1),
 #: memory-bound (docs/tuning.md).
 #: Two-block classes of 5 and 6 vectors (sm_90) do the same for rows between the 512- and
 #: the 1,024-thread one-block classes (bf16 16,385-24,576 elements, float32 8,193-12,288),
-#: which filled 50-75 % of the 1,024-thread class.
+#: which filled 50-75 % of the 1,024-thread class: cross-entropy and layer_norm there
+#: 1.15-1.67x, softmax and log_softmax 0.94-1.15x (H100, docs/tuning.md). The kernels are
+#: compiled for 5 (16-bit) or 6 (float32) resident blocks an SM, 3 for the 16-vector classes
+#: (smem_min_blocks in rowwise.cu).
 SMEM_OPS = (0, 1, 2, 3, 5)
 SMEM_LADDER = tuple(c for c in FWD_LADDER if c[3] == 1 and c[0] < 1024) + (
-    (256, 256, 5, 2), (256, 256, 6, 2), (1024, 1024, 4, 1), (256, 256, 5, 4), (256, 256, 6, 4), (256, 256, 8, 4), (256, 256, 5, 8), (256, 256, 6, 8),
-    (256, 256, 8, 8), (256, 256, 16, 8))
+    (256, 256, 5, 2), (256, 256, 6, 2), (1024, 1024, 4, 1),
+    (256, 256, 5, 4), (256, 256, 6, 4), (256, 256, 8, 4),
+    (256, 256, 5, 8), (256, 256, 6, 8), (256, 256, 8, 8), (256, 256, 16, 8))
 #: backward: two rows (x and dy) in registers, so half the vectors per thread; no clusters
 BWD_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
               (128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
