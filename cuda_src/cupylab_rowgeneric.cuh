@@ -69,18 +69,9 @@ __global__ void __launch_bounds__(GT) row_generic(const RowArgs p) {
             } else {
                 const A eps = (A)p.smooth;
                 if (eps > A(0)) sx = group_reduce<GT, 1, 1>(sx, SumOp());
-                if (stat_thread) {  // as row_reg
-                    const A ls = log_acc(ms.s);
-                    A loss;
-                    if (ignored) loss = A(0);
-                    else if (bad) loss = quiet_nan<A>();
-                    else {
-                        loss = (A(1) - eps) * (et == A(1) ? log1p_acc(so) : ls - (xt - mz));
-                        if (eps > A(0)) loss += eps * (ls - (sx * n_inv - ms.m));
-                    }
-                    reinterpret_cast<A*>(p.loss)[row] = loss;
-                    if (p.st0) reinterpret_cast<A*>(p.st0)[row] = ms.m + ls;
-                }
+                if (stat_thread)
+                    ce_store_loss(p, row, ignored, bad, eps, et, so, ms.s, xt - mz,
+                                  sx * n_inv - ms.m, ms.m);
                 if (p.out0) {
                     const A scale = p.scale ? *reinterpret_cast<const A*>(p.scale) : A(1);
                     const A inv = A(1) / ms.s;

@@ -230,6 +230,27 @@ __device__ __forceinline__ i64 load_target(const RowArgs& p, i64 row) {
     return *row_ptr<const i64>(p.target, p, 1, row);
 }
 
+// A cross-entropy row's loss and log-sum-exp, stored by its statistics thread (row_reg and
+// row_generic): 0 for an ignored row, NaN for a bad target, else (1 - eps) * -log p(target)
+// plus eps * the mean of -log p. so: the sum of the others' exps, s: with the target's term
+// et added; xz: the target's logit less the maximum et was taken from; mx: the mean of x less
+// the row maximum m (used only with eps > 0). When et is 1 (the target is the maximum) the
+// loss is log1p(so), which keeps the digits of a confident row.
+template <typename A>
+__device__ __forceinline__ void ce_store_loss(const RowArgs& p, i64 row, bool ignored, bool bad,
+                                              A eps, A et, A so, A s, A xz, A mx, A m) {
+    const A ls = log_acc(s);
+    A loss;
+    if (ignored) loss = A(0);
+    else if (bad) loss = quiet_nan<A>();
+    else {
+        loss = (A(1) - eps) * (et == A(1) ? log1p_acc(so) : ls - xz);
+        if (eps > A(0)) loss += eps * (ls - mx);
+    }
+    reinterpret_cast<A*>(p.loss)[row] = loss;
+    if (p.st0) reinterpret_cast<A*>(p.st0)[row] = m + ls;
+}
+
 // ---- cp.async pipeline (row_pipe_kernel) -------------------------------------------------
 // Each thread copies its own 16-byte slots of upcoming rows into shared memory (cp.async,
 // sm_80+) and later reads back only those slots, so the pipeline needs no block barrier: the

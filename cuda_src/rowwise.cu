@@ -278,20 +278,10 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     }
                     sx = group_reduce<TPR, C, 2, THREADS>(sx, SumOp(), it);
                 }
-                if (stat_thread) {
-                    // not from the rounded lse: a confident row's loss (below half an ulp of
-                    // max) would round to 0
-                    const A ls = log_acc(ms.s);
-                    A loss;
-                    if (ignored) loss = A(0);
-                    else if (bad) loss = quiet_nan<A>();
-                    else {
-                        loss = (A(1) - eps) * (et == A(1) ? log1p_acc(s) : ls - (xt - gz));
-                        if (eps > A(0)) loss += eps * (ls - sx * n_inv);
-                    }
-                    reinterpret_cast<A*>(p.loss)[row] = loss;
-                    if (p.st0) reinterpret_cast<A*>(p.st0)[row] = ms.m + ls;
-                }
+                // not from the rounded lse: a confident row's loss (below half an ulp of max)
+                // would round to 0
+                if (stat_thread)
+                    ce_store_loss(p, row, ignored, bad, eps, et, s, ms.s, xt - gz, sx * n_inv, ms.m);
                 if (p.out0) {
                     // (across a cluster the row is reloaded after the reduction: laundering
                     // it again there made bfloat16 spill)
