@@ -10,8 +10,9 @@ page)::
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
 (``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
-``mixed.json``, ``rowwise_*.json``, the A/B pairs ``<x>_before.json`` / ``<x>_after.json``
-(table ``rowwise-<x>-ab``, underscores as dashes), the Dask example's ``dask.json``, the
+``mixed.json``, ``rowwise_<x>.json`` (table ``rowwise-<x>``), the A/B pairs
+``<x>_before.json`` / ``<x>_after.json`` (table ``rowwise-<x>-ab``; underscores in ``<x>`` as
+dashes in both), the Dask example's ``dask.json``, the
 training example's ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``,
 the multi-tensor bench's ``multi_tensor.json`` and the command file, and leaves every other
 line (the prose) alone. The per-case tables are formatted by :mod:`cupylab.bench._report`, the
@@ -59,6 +60,7 @@ FILES = {  # stored file -> what it holds
     "rowwise_bwd.json": "row-wise backwards beside torch eager and torch.compile",
     "rowwise_small.json": "row-wise forwards at decoding shapes (16 and 128 rows)",
     "rowwise_ce.json": "cross-entropy with its gradient, 128k vocabulary",
+    "rowwise_ce_h100.json": "the same on an H100, the kernels of 2026-12-06 (ed7de5e)",
     "groups_after.json": "row-wise ops at the row lengths the two-rows-a-block classes serve",
     "groups_before.json": "the same cases in the same session, before those classes (1913d9a)",
     "bwd16_after.json": "row-wise backwards with the 16-bit pipeline and one-vector classes",
@@ -382,7 +384,7 @@ TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           **{f"rowwise-{x.replace('_', '-')}-ab": _ab(f"{x}_before.json", f"{x}_after.json")
              for x in AB},
           "train-b64": _train(TRAIN_B64), "multi-tensor": t_mt,
-          **{f"rowwise-{x}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
+          **{f"rowwise-{x.replace('_', '-')}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 
 
 # ----------------------------------------------------------------------------- the page
