@@ -134,6 +134,8 @@ __device__ __forceinline__ R dsmem_load(const R* p, unsigned rank) {
 // The cluster level of group_reduce alone: v is this block's partial (the same in every
 // thread of the block); every thread of the C blocks gets the combined value. One cluster
 // barrier a call; ``phase`` alternates between consecutive calls of a site (as group_reduce).
+// SLOT, as group_reduce's, gives each call site of a kernel its own shared partials (an
+// instantiation of its own).
 template <int C, int SLOT, typename R, typename Op>
 __device__ __forceinline__ R cluster_reduce(R v, Op op, int phase) {
     __shared__ R cpart[2];

@@ -281,7 +281,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 // not from the rounded lse: a confident row's loss (below half an ulp of max)
                 // would round to 0
                 if (stat_thread)
-                    ce_store_loss(p, row, ignored, bad, eps, et, s, ms.s, xt - gz, sx * n_inv, ms.m);
+                    ce_store_loss(p, row, ignored, bad, eps, et, s, ms.s, xt - gz, sx * n_inv,
+                                  ms.m);
                 if (p.out0) {
                     // (across a cluster the row is reloaded after the reduction: laundering
                     // it again there made bfloat16 spill)

@@ -77,7 +77,7 @@ LN16_BWD_LADDER = _NV1_BWD + ((1024, 1024, 1, 1), (1024, 1024, 2, 1))
 #: rms_norm_backward (one gradient sum a column): at 8,192 two vectors on 512 threads measured
 #: faster than one on 1,024 (H200: bf16 8192x8192 142 against 180 us, docs/perf.md)
 RMS16_BWD_LADDER = _NV1_BWD + ((512, 512, 2, 1), (1024, 1024, 2, 1))
-GENERIC_THREADS = 512  # GT in rowwise.cu
+GENERIC_THREADS = 512  # GT in cupylab_rowgeneric.cuh
 COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_W columns each
 #: ops that use the persistent cp.async pipeline (row_pipe_kernel) for the non-cluster
 #: classes: PIPE_STAGES rows of each input per block in shared memory. The backwards use it
