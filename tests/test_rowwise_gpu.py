@@ -152,6 +152,25 @@ def test_norms_forward(rows, cols, dt, wdt):
     check(y2, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, "inplace y")
 
 
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cols,rpb", [(4096, 1), (33, 4)])  # rows a block of the class chosen
+def test_add_rms_norm_one_row_an_sm_boundary(dt, cols, rpb):
+    """16-bit add_rms_norm takes the pipelined kernel while each SM gets at most one block's
+    rows, the plain kernel beyond: both sides of the boundary give the reference."""
+    from cupylab import _runtime  # noqa: PLC0415
+
+    sms = _runtime.device_info(0).sm_count
+    for rows in (sms * rpb, sms * rpb + 1):
+        rng = np.random.default_rng(rows + cols)
+        h, x = make(rng, "cupy", rows, cols, dt)
+        rh = rng.standard_normal((rows, cols)).astype(np_dtype(dt))
+        w = (rng.standard_normal(cols) + 1).astype(np_dtype(dt))
+        hsum = (h.astype(np.float64) + rh.astype(np.float64)).astype(np_dtype(dt))
+        y, hh = cupylab.add_rms_norm(x, cupy_from_host(rh), cupy_from_host(w), eps=1e-6)
+        check(hh, hsum, dt, 0.01, f"h, {rows} rows")
+        check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, f"y, {rows} rows")
+
 def test_softmax_special_values():
     for dt, big in (("float32", 3e38), ("float16", 6e4), ("bfloat16", 3e38), ("float64", 1e300)):
         h = np.array([[0.0, -np.inf, 1.0, -np.inf],

@@ -84,6 +84,11 @@ COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_
 #: for 16-bit dtypes only: for float32 it measured 0.85-1.04x of the plain kernel (H200).
 PIPE_OPS = (0, 1, 2, 3, 5)
 PIPE16_OPS = (10, 11, 12, 13)
+#: 16-bit add_rms_norm takes the pipelined kernel only while each SM gets at most one row
+#: (rows <= SM count): there it was 1.07-1.13x the plain kernel at 16 rows of 4,096 and
+#: 1.47-1.52x at 128, where beyond one row an SM the plain kernel was 1.00-1.06x faster
+#: (2,048 and 8,192 rows of 4,096, 32768 x 1024, 65536 x 256; H100, docs/tuning.md)
+PIPE16_FEW_OPS = (4,)
 TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
 PIPE_STAGES = 3  # PIPE_STAGES in cupylab_rowwise.cuh
 GROUPS = {"softmax": (0, 1), "norm": (2, 3, 4), "ce": (5,), "softmax_bwd": (10, 11),
@@ -105,7 +110,7 @@ def ladder(op, dt):
 
 def piped(op, dt):
     """Whether ``op`` on ``dt`` has the persistent pipelined kernels (row_pipe_kernel)."""
-    return op in PIPE_OPS or (op in PIPE16_OPS and dt.itemsize == 2)
+    return op in PIPE_OPS or (dt.itemsize == 2 and (op in PIPE16_OPS or op in PIPE16_FEW_OPS))
 
 
 def pipelined(op, dt, cls):
@@ -523,7 +528,7 @@ def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
     """``(grid, dynamic shared memory)`` of the persistent pipelined kernel for ``cls``, or
     None when it does not apply (other ops, compute capability below 8.0 (no ``cp.async``),
     too little shared memory, the ``CUPYLAB_ROWWISE_PIPELINE=0`` switch, classes without one:
-    :func:`pipelined`). Persistent grids never exceed what is resident at once (an
+    :func:`pipelined`; :data:`PIPE16_FEW_OPS` beyond one row an SM). Persistent grids never exceed what is resident at once (an
     SM's shared memory is the per-block opt-in maximum plus the 1 KiB the driver reserves:
     228 KiB on sm_90, 164 KiB on sm_80)."""
     if cls is None or cc < 80 or not pipelined(op, dt, cls):
@@ -536,6 +541,8 @@ def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
         return None
     per_sm = max(1, min(2048 // th, 65536 // (64 * th), (smem_optin + 1024) // (smem + 1024)))
     units = -(-rows // (th // tpr))
+    if op in PIPE16_FEW_OPS and units > sm_count:
+        return None
     return max(1, min(units, sm_count * per_sm)), smem
 
 
