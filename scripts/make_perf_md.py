@@ -61,6 +61,7 @@ FILES = {  # stored file -> what it holds
     "rowwise_small.json": "row-wise forwards at decoding shapes (16 and 128 rows)",
     "rowwise_ce.json": "cross-entropy with its gradient, 128k vocabulary",
     "rowwise_ce_h100.json": "the same on an H100, the kernels of 2026-12-06 (ed7de5e)",
+    "rowwise_small_h100.json": "decoding shapes again on an H100, 2026-12-06 (c73fd19)",
     "groups_after.json": "row-wise ops at the row lengths the two-rows-a-block classes serve",
     "groups_before.json": "the same cases in the same session, before those classes (1913d9a)",
     "bwd16_after.json": "row-wise backwards with the 16-bit pipeline and one-vector classes",
@@ -107,6 +108,8 @@ FILES = {  # stored file -> what it holds
     "occ_before.json": "the same cases in the same run, before it (f510931)",
     "fit2occ_after.json": "both changes together, second of two rounds (H100)",
     "fit2occ_before.json": "the same cases in the same round, before both (ac2d0f1)",
+    "few_after.json": "16-bit add_rms_norm piped while an SM gets one row, 2nd round (H100)",
+    "few_before.json": "the same cases in the same round, before it (ed7de5e)",
 }
 
 

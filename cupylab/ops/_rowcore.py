@@ -84,10 +84,10 @@ COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_
 #: for 16-bit dtypes only: for float32 it measured 0.85-1.04x of the plain kernel (H200).
 PIPE_OPS = (0, 1, 2, 3, 5)
 PIPE16_OPS = (10, 11, 12, 13)
-#: 16-bit add_rms_norm takes the pipelined kernel only while each SM gets at most one row
-#: (rows <= SM count): there it was 1.07-1.13x the plain kernel at 16 rows of 4,096 and
-#: 1.47-1.52x at 128, where beyond one row an SM the plain kernel was 1.00-1.06x faster
-#: (2,048 and 8,192 rows of 4,096, 32768 x 1024, 65536 x 256; H100, docs/tuning.md)
+#: 16-bit add_rms_norm takes the pipelined kernel only while each SM gets at most one
+#: block's rows: there it was 1.06-1.13x the plain kernel at 16 rows of 4,096 and 1.47-1.52x
+#: at 128, and beyond 0.94-1.03x (2,048 and 8,192 rows of 4,096, 8192^2, 32768 x 1024,
+#: 65536 x 256; H100, docs/tuning.md "Rows that fit one block, few of them")
 PIPE16_FEW_OPS = (4,)
 TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
 PIPE_STAGES = 3  # PIPE_STAGES in cupylab_rowwise.cuh
