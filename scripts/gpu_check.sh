@@ -105,11 +105,13 @@ if has tests; then
   # -v (and no -q, which would cancel it) with xdist: one line per test as it finishes, so a
   # run cut short by its time cap still names what failed
   $PY -c 'import xdist' 2>/dev/null && par=(-n "${TEST_JOBS:-$(( JOBS > 12 ? 12 : JOBS ))}" -v)
-  timeout "${T_TESTS:-300}" $PY -m pytest -p no:cacheprovider -rs "${par[@]}" "$T" "${PARGS[@]}" \
+  timeout "${T_TESTS:-300}" $PY -m pytest -p no:cacheprovider -rsfE "${par[@]}" "$T" "${PARGS[@]}" \
     > "$OUT/pytest.log" 2>&1
   say "pytest, all tests (rc=$?): $(tail -n 1 "$OUT/pytest.log")  [$(( $(date +%s) - t0 )) s]"
   say "  $(grep -cE " PASSED " "$OUT/pytest.log") passed, $(grep -cE " FAILED " "$OUT/pytest.log") failed, $(grep -cE " SKIPPED " "$OUT/pytest.log") skipped (per-test lines)"
-  grep -E "^(FAILED|ERROR)| FAILED | ERROR " "$OUT/pytest.log" | head -n 40 | tee -a "$OUT/summary.txt"
+  # pytest's short summary first (-rfE: each failure with its message), then the per-test lines
+  { grep -E "^(FAILED|ERROR) " "$OUT/pytest.log"; grep -E " FAILED | ERROR " "$OUT/pytest.log"; } \
+    | head -n 40 | tee -a "$OUT/summary.txt"
 fi
 
 if [ ${#san_pids[@]} -gt 0 ]; then
