@@ -108,7 +108,7 @@ FILES = {  # stored file -> what it holds
     "occ_before.json": "the same cases in the same run, before it (f510931)",
     "fit2occ_after.json": "both changes together, second of two rounds (H100)",
     "fit2occ_before.json": "the same cases in the same round, before both (ac2d0f1)",
-    "few_after.json": "16-bit add_rms_norm piped while an SM gets one row, 2nd round (H100)",
+    "few_after.json": "16-bit add_rms_norm piped up to one block's rows an SM, 2nd round (H100)",
     "few_before.json": "the same cases in the same round, before it (ed7de5e)",
 }
 

@@ -134,7 +134,7 @@ def test_pipe_plan(monkeypatch):
     assert rc.pipe_plan(3, F32, (1024, 1024, 4, 1), 100, 132, 232448, 90) == (100, 196608)
     assert rc.pipe_plan(3, F32, (1024, 1024, 4, 1), 1000, 132, 232448, 90) == (132, 196608)
     assert rc.pipe_plan(4, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) is None  # add_rms_norm
-    # ... whose 16-bit kernels are piped while each SM gets at most one row
+    # ... whose 16-bit kernels are piped while each SM gets at most one block's rows
     assert rc.pipe_plan(4, F32, (128, 128, 4, 1), 16, 132, 232448, 90) is None
     assert rc.pipe_plan(4, BF16, (128, 128, 4, 1), 128, 132, 232448, 90) == (128, 49152)
     assert rc.pipe_plan(4, BF16, (128, 128, 4, 1), 132, 132, 232448, 90) == (132, 49152)

@@ -113,6 +113,11 @@ def test_softmax_other_axis():
         check(cupylab.log_softmax(x, axis=ax), ref, "float32", what=f"axis {ax}")
 
 
+def _added(h, rh, dt):
+    """add_rms_norm's h on the host: x + r in float64, rounded to dt."""
+    return (h.astype(np.float64) + rh.astype(np.float64)).astype(np_dtype(dt))
+
+
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("rows,cols", SHAPES + SHAPES_BIG)
 @pytest.mark.parametrize("wdt", ["same", "float32", None])
@@ -139,7 +144,7 @@ def test_norms_forward(rows, cols, dt, wdt):
     check(rstd, rref, sdt, 10, "ln rstd")
     # add + rms_norm, out of place and in place
     rh = (rng.standard_normal((rows, cols)) * 4).astype(np_dtype(dt))
-    hsum = (h.astype(np.float64) + rh.astype(np.float64)).astype(np_dtype(dt))
+    hsum = _added(h, rh, dt)
     if w is None:
         w = np.ones(cols, dtype=np_dtype(dt))
     r = cupy_from_host(rh)
@@ -150,7 +155,6 @@ def test_norms_forward(rows, cols, dt, wdt):
     assert h2 is r
     check(r, hsum, dt, 0.01, "inplace h")
     check(y2, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, "inplace y")
-
 
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float16"])
@@ -166,10 +170,11 @@ def test_add_rms_norm_one_row_an_sm_boundary(dt, cols, rpb):
         h, x = make(rng, "cupy", rows, cols, dt)
         rh = rng.standard_normal((rows, cols)).astype(np_dtype(dt))
         w = (rng.standard_normal(cols) + 1).astype(np_dtype(dt))
-        hsum = (h.astype(np.float64) + rh.astype(np.float64)).astype(np_dtype(dt))
+        hsum = _added(h, rh, dt)
         y, hh = cupylab.add_rms_norm(x, cupy_from_host(rh), cupy_from_host(w), eps=1e-6)
         check(hh, hsum, dt, 0.01, f"h, {rows} rows")
         check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, f"y, {rows} rows")
+
 
 def test_softmax_special_values():
     for dt, big in (("float32", 3e38), ("float16", 6e4), ("bfloat16", 3e38), ("float64", 1e300)):

@@ -528,9 +528,9 @@ def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
     """``(grid, dynamic shared memory)`` of the persistent pipelined kernel for ``cls``, or
     None when it does not apply (other ops, compute capability below 8.0 (no ``cp.async``),
     too little shared memory, the ``CUPYLAB_ROWWISE_PIPELINE=0`` switch, classes without one:
-    :func:`pipelined`; :data:`PIPE16_FEW_OPS` beyond one row an SM). Persistent grids never exceed what is resident at once (an
-    SM's shared memory is the per-block opt-in maximum plus the 1 KiB the driver reserves:
-    228 KiB on sm_90, 164 KiB on sm_80)."""
+    :func:`pipelined`; :data:`PIPE16_FEW_OPS` beyond one block's rows an SM). Persistent
+    grids never exceed what is resident at once (an SM's shared memory is the per-block
+    opt-in maximum plus the 1 KiB the driver reserves: 228 KiB on sm_90, 164 KiB on sm_80)."""
     if cls is None or cc < 80 or not pipelined(op, dt, cls):
         return None
     if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") == "0":
