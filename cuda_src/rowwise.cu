@@ -65,6 +65,12 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         const T* x = row_ptr<const T>(p.in0, p, 0, rr);
         const int head = (int)(((u64)x & 15) / sizeof(T));
         const T* xal = x - head;
+        // layer_norm's shift, the row's first element: loaded before the row's loads are
+        // waited for, so that its round trip overlaps theirs instead of following them
+        T x0v = T();
+        if constexpr (OP == OP_LN) {
+            if (active) x0v = x[0];
+        }
         RowHold<T, V, NV, THREADS, SROW> a;
         Vec<T, V> b[TWO_IN ? NV : 1];
         if constexpr (SROW) {
@@ -359,7 +365,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 // so x - mean is 0 there and y the bias, as torch's mean gives; the variance
                 // pass below corrects it by the mean of x - mean (an outlier first element
                 // would otherwise cost the shifted sum its accuracy)
-                const A x0 = active ? to_acc(x[0]) : A(0);
+                const A x0 = to_acc(x0v);  // 0 for an inactive row
                 A s1 = A(0);
 #pragma unroll
                 for (int j = 0; j < NV; ++j) {
