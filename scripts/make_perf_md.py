@@ -110,6 +110,8 @@ FILES = {  # stored file -> what it holds
     "fit2occ_before.json": "the same cases in the same round, before both (ac2d0f1)",
     "few_after.json": "16-bit add_rms_norm piped up to one block's rows an SM, 2nd round (H100)",
     "few_before.json": "the same cases in the same round, before it (ed7de5e)",
+    "lnx0_after.json": "layer_norm loading its shift x[0] before the row's wait, 2nd round (H100)",
+    "lnx0_before.json": "the same cases in the same round, before it (3322ab5)",
 }
 
 
