@@ -14,7 +14,8 @@
 # Usage: scripts/gpu_check.sh [OUTDIR]   (logs go to OUTDIR, default ./out)
 # STEPS (default "precompile tests sanitizer overhead mixed rowbench mtbench": the bench is the
 # last four) picks steps; JOBS sets the parallelism; T_PRE, T_TESTS, T_SAN, T_BENCH cap the
-# steps in seconds (a step that runs out is reported with rc=124).
+# steps in seconds (a step that runs out is reported with rc=124). The tests step leaves out the
+# slow-marked tests (CPU compile and wheel tests, run by CI) unless SLOW=1.
 #
 # INSTALLED=1 first makes a regular (non-editable) install of this checkout into the current
 # interpreter (`pip install --no-deps --no-build-isolation .`, no network needed) and runs the
@@ -105,6 +106,11 @@ if has tests; then
   # -v (and no -q, which would cancel it) with xdist: one line per test as it finishes, so a
   # run cut short by its time cap still names what failed
   $PY -c 'import xdist' 2>/dev/null && par=(-n "${TEST_JOBS:-$(( JOBS > 12 ? 12 : JOBS ))}" -v)
+  # the slow tests (every kernel template compiled for three architectures, a wheel built) are
+  # CPU work that CI runs; here the precompile step compiles every instance for this GPU, and
+  # the compile tests, landing on one worker at the end, ran past the time cap (2026-12-06).
+  # SLOW=1 keeps them; a -m of PYTEST_ARGS, coming after, replaces this one
+  [ "${SLOW:-0}" = 1 ] || par+=(-m "not slow")
   timeout "${T_TESTS:-300}" $PY -m pytest -p no:cacheprovider -rsfE "${par[@]}" "$T" "${PARGS[@]}" \
     > "$OUT/pytest.log" 2>&1
   say "pytest, all tests (rc=$?): $(tail -n 1 "$OUT/pytest.log")  [$(( $(date +%s) - t0 )) s]"
