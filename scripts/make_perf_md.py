@@ -9,8 +9,8 @@ page)::
     <!-- /table -->
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
-(``sweep.json``, ``fusion.json``, ``overhead.json``, ``medium.json``, ``large16.json``,
-``mixed.json``, ``rowwise_<x>.json`` (table ``rowwise-<x>``), the A/B pairs
+(``sweep.json``, ``sweep_h100.json``, ``fusion.json``, ``overhead.json``, ``medium.json``,
+``large16.json``, ``mixed.json``, ``rowwise_<x>.json`` (table ``rowwise-<x>``), the A/B pairs
 ``<x>_before.json`` / ``<x>_after.json`` (table ``rowwise-<x>-ab``; underscores in ``<x>`` as
 dashes in both), the Dask example's ``dask.json``, the
 training example's ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``,
@@ -50,6 +50,8 @@ LARGE = 1 << 24
 COMMANDS = "sweep_commands.txt"
 FILES = {  # stored file -> what it holds
     "sweep.json": "every operator x dtype x power of two 2^10..2^28, peers torch eager and CuPy",
+    "sweep_h100.json": "the sweep again on an H100, every second power of two, peers JAX too, "
+                       "the tree of 2026-12-06 (d53ddc2)",
     "fusion.json": "fused_add_mul against torch eager, torch.compile and CuPy",
     "overhead.json": "host cost per call and graph replay",
     "medium.json": "float dtypes at 2^20..2^23, 7 repetitions (a second look at medium sizes)",
@@ -241,6 +243,28 @@ def t_sweep_ops(data):
     return _drop_empty_last(_report.results_table(keep, markdown=True))
 
 
+def t_sweep_h100(data):
+    """Per operator: the cases, % of the ceiling at n >= 2^24, torch eager's ratio (least,
+    median, how many under 1) and CuPy's median, of the H100 sweep."""
+    res = _ok(data["sweep_h100.json"])
+    rows = []
+    for op in dict.fromkeys(r["op"] for r in res):
+        at = [r for r in res if r["op"] == op]
+        ratios = [(_ratio(r), r) for r in at if _ratio(r) is not None]
+        lo, low = min(ratios, key=lambda t: t[0])
+        cupy = [x for x in (_ratio(r, "cupy") for r in at) if x is not None]
+        shape = _report.shape_str(low["shape"])
+        rows.append([op, str(len(at)),
+                     _rng([r["pct_ceiling"] for r in at if _n(r) >= LARGE]),
+                     f"{lo:.2f} ({low['dtype']} {shape})",
+                     f"{statistics.median(t[0] for t in ratios):.2f}",
+                     str(sum(t[0] < 1 for t in ratios)),
+                     f"{statistics.median(cupy):.2f}" if cupy else ""])
+    return _table(["op", "cases", "% of ceiling, n >= 2^24", "torch / cupylab: min (case)",
+                   "median", "under 1", "CuPy / cupylab, median"], rows,
+                  [False, True, True, False, True, True, True])
+
+
 def _results(name):
     return lambda data: _drop_empty_last(_report.results_table(data[name]["results"],
                                                                markdown=True))
@@ -383,7 +407,8 @@ def t_mt(data):
 
 
 TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
-          "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "fusion": t_fusion,
+          "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "sweep-h100": t_sweep_h100,
+          "fusion": t_fusion,
           "repeats": t_repeats, "host": t_host, "graphs": t_graphs, "mixed": t_mixed,
           "dask": t_dask, "train": _train(TRAIN),
           **{f"rowwise-{x.replace('_', '-')}-ab": _ab(f"{x}_before.json", f"{x}_after.json")
