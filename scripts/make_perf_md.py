@@ -250,15 +250,13 @@ def t_sweep_h100(data):
     rows = []
     for op in dict.fromkeys(r["op"] for r in res):
         at = [r for r in res if r["op"] == op]
-        ratios = [(_ratio(r), r) for r in at if _ratio(r) is not None]
-        lo, low = min(ratios, key=lambda t: t[0])
+        timed = [r for r in at if _ratio(r) is not None]
+        low = min(timed, key=_ratio)
+        ratios = [_ratio(r) for r in timed]
         cupy = [x for x in (_ratio(r, "cupy") for r in at) if x is not None]
-        shape = _report.shape_str(low["shape"])
-        rows.append([op, str(len(at)),
-                     _rng([r["pct_ceiling"] for r in at if _n(r) >= LARGE]),
-                     f"{lo:.2f} ({low['dtype']} {shape})",
-                     f"{statistics.median(t[0] for t in ratios):.2f}",
-                     str(sum(t[0] < 1 for t in ratios)),
+        rows.append([op, str(len(at)), _rng([r["pct_ceiling"] for r in at if _n(r) >= LARGE]),
+                     f"{_ratio(low):.2f} ({low['dtype']} {_report.shape_str(low['shape'])})",
+                     f"{statistics.median(ratios):.2f}", str(sum(x < 1 for x in ratios)),
                      f"{statistics.median(cupy):.2f}" if cupy else ""])
     return _table(["op", "cases", "% of ceiling, n >= 2^24", "torch / cupylab: min (case)",
                    "median", "under 1", "CuPy / cupylab, median"], rows,
