@@ -556,6 +556,70 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_pipe_kernel(const
     row_reg<T, OP, THREADS, TPR, NV, 1, true>(p);
 }
 
+// softmax_backward and log_softmax_backward with both rows in shared memory (16-bit): each
+// thread copies its slots of y and dy there with cp.async at once and reads them back at each
+// pass, so no row is held in registers across the reduction. Few registers and full
+// occupancy (2,048 threads an SM), every load in flight before the first wait; the plain
+// register kernel holds both rows (55 registers, half the threads), the pipelined one as well.
+template <typename T, int OP, int THREADS, int TPR, int NV>
+__global__ void __launch_bounds__(THREADS, 2048 / THREADS) row_sbwd_kernel(const RowArgs p) {
+    typedef typename Acc<T>::type A;
+    constexpr int V = 16 / sizeof(T);
+    constexpr int RPB = THREADS / TPR;
+    extern __shared__ __align__(16) unsigned char sbwd_buf[];
+    Vec<T, V>* st = reinterpret_cast<Vec<T, V>*>(sbwd_buf);  // y's slots, then dy's
+    const int lane = threadIdx.x % TPR;
+    const int group = threadIdx.x / TPR;
+    const int cols = (int)p.cols;
+    int it = 0;
+    for (i64 unit = blockIdx.x; unit * RPB < p.rows; unit += gridDim.x, ++it) {
+        const i64 row = unit * RPB + group;
+        const bool active = row < p.rows;
+        // a row past the end stages nothing: its group reads no slot and stores nothing
+        issue_stage<T, OP, V, NV, TPR, THREADS, true>(st, p, row, lane, cols);
+        cp_async_commit();
+        cp_async_wait<0>();
+        A d = A(0);
+        if (active) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A g[V];
+                unpack<T, V>(st[(NV + j) * THREADS + threadIdx.x], g);
+                if constexpr (OP == OP_SOFTMAX_BWD) {
+                    A f[V];
+                    unpack<T, V>(st[j * THREADS + threadIdx.x], f);
+#pragma unroll
+                    for (int k = 0; k < V; ++k) d += f[k] * g[k];
+                } else {
+#pragma unroll
+                    for (int k = 0; k < V; ++k) d += g[k];
+                }
+            }
+        }
+        d = group_reduce<TPR, 1, 0, THREADS>(d, SumOp(), it);
+        if (active) {
+            const T* x = row_ptr<const T>(p.in0, p, 0, row);
+            const int head = (int)(((u64)x & 15) / sizeof(T));
+            T* yal = row_ptr<T>(p.out0, p, 2, row) - head;
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                A f[V], g[V];
+                unpack<T, V>(st[j * THREADS + threadIdx.x], f);
+                unpack<T, V>(st[(NV + j) * THREADS + threadIdx.x], g);
+#pragma unroll
+                for (int k = 0; k < V; ++k)
+                    f[k] = OP == OP_SOFTMAX_BWD ? f[k] * (g[k] - d) : g[k] - exp_row<T>(f[k]) * d;
+                Vec<T, V> o;
+                pack<T, V>(f, o);
+                const int s = lane + j * TPR;
+                store_slot<T, V>(yal, o, s, s * V - head, cols, true);
+            }
+        }
+        // this thread's slots are copied again for its next row only after these reads
+        asm volatile("" ::: "memory");
+    }
+}
+
 #if CL_HAS_CLUSTER
 #define CL_CLUSTER_DIMS(c) __cluster_dims__(c, 1, 1)
 #else

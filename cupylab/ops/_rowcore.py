@@ -108,6 +108,18 @@ def ladder(op, dt):
     return BWD_LADDER if op >= 10 else FWD_LADDER
 
 
+#: softmax_backward and log_softmax_backward hold both rows in shared memory
+#: (row_sbwd_kernel) in these dtypes' sizes
+SBWD_OPS = (10, 11)
+SBWD_SIZES = (2, 4)
+
+
+def sbwd(op, dt, cls):
+    """Whether class ``cls`` of ``op`` on ``dt`` runs row_sbwd_kernel (both rows staged in
+    shared memory, no pipeline)."""
+    return op in SBWD_OPS and dt.itemsize in SBWD_SIZES and cls is not None and cls[3] == 1
+
+
 def piped(op, dt):
     """Whether ``op`` on ``dt`` has the persistent pipelined kernels (row_pipe_kernel)."""
     return op in PIPE_OPS or (dt.itemsize == 2 and (op in PIPE16_OPS or op in PIPE16_FEW_OPS))
@@ -121,7 +133,7 @@ def pipelined(op, dt, cls):
     0.79-0.97x, float32 1024x65536 0.72-0.79x), and the two-block class it won on (16-bit,
     up to 65,536 elements) gave way to shared-memory rows (:data:`SMEM_LADDER`;
     docs/tuning.md, "Long rows")."""
-    return cls[3] == 1 and piped(op, dt)
+    return cls[3] == 1 and piped(op, dt) and not sbwd(op, dt, cls)
 
 
 def smem_rows(op, dt):
@@ -133,6 +145,8 @@ def smem_rows(op, dt):
 def row_smem_bytes(op, dt, cls):
     """The dynamic shared memory of a block of class ``cls`` that holds its segment of the row
     (``THREADS * NV`` 16-byte slots), 0 for a class that keeps it in registers."""
+    if sbwd(op, dt, cls):
+        return 2 * cls[0] * cls[2] * 16
     return cls[0] * cls[2] * 16 if cls[3] > 1 and smem_rows(op, dt) else 0
 
 
@@ -157,6 +171,8 @@ def kernel_name(op, dt, cls, pipe=False):
             raise ValueError(f"kernel_name: op {op} on {dt.name} has no pipelined kernel for "
                              f"class {cls} (see pipelined)")
         return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
+    if sbwd(op, dt, cls):
+        return f"cl::row_sbwd_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
     if row_smem_bytes(op, dt, cls):
         return f"cl::row_smem_kernel<{dt.ctype}, {op}, {th}, {nv}, {c}>"
     if c > 1:
