@@ -12,6 +12,8 @@
 // has the same head in each row, that the last axis is contiguous and that the row fits
 // (C * THREADS * NV slots).
 //
+// row_sbwd_kernel: the 16-bit softmax backwards with both rows staged in shared memory.
+//
 // row_generic (cupylab_rowgeneric.cuh): any layout (column stride, mixed alignment) and any
 // length; one block per row, reading the row two or three times (the fallback, and the path
 // for rows longer than every class).
@@ -556,11 +558,13 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_pipe_kernel(const
     row_reg<T, OP, THREADS, TPR, NV, 1, true>(p);
 }
 
-// softmax_backward and log_softmax_backward with both rows in shared memory (16-bit): each
+// 16-bit softmax_backward and log_softmax_backward with both rows in shared memory: each
 // thread copies its slots of y and dy there with cp.async at once and reads them back at each
-// pass, so no row is held in registers across the reduction. Few registers and full
-// occupancy (2,048 threads an SM), every load in flight before the first wait; the plain
-// register kernel holds both rows (55 registers, half the threads), the pipelined one as well.
+// pass, so no row is held in registers across the reduction: 29-32 registers and 2,048
+// threads an SM, every load in flight before the first wait. (The pipelined kernel holds both
+// rows in registers, 56 of them, 1,024 threads an SM; the host keeps it for fewer rows than
+// its grid holds at once, where it measured faster.) A row past the end stages nothing; its
+// group reads no slot and stores nothing.
 template <typename T, int OP, int THREADS, int TPR, int NV>
 __global__ void __launch_bounds__(THREADS, 2048 / THREADS) row_sbwd_kernel(const RowArgs p) {
     typedef typename Acc<T>::type A;
@@ -575,7 +579,6 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) row_sbwd_kernel(const
     for (i64 unit = blockIdx.x; unit * RPB < p.rows; unit += gridDim.x, ++it) {
         const i64 row = unit * RPB + group;
         const bool active = row < p.rows;
-        // a row past the end stages nothing: its group reads no slot and stores nothing
         issue_stage<T, OP, V, NV, TPR, THREADS, true>(st, p, row, lane, cols);
         cp_async_commit();
         cp_async_wait<0>();

@@ -102,7 +102,8 @@ def test_choose_generic_cases():
     # two rows of 64 threads a block: a 16-bit row of 1,024 fills its slots (128 x 2 half-fills)
     assert rc.choose(10, BF16, 1000, True, 3, 90) == (128, 64, 2, 1)
     assert rc.choose(10, BF16, 1024, True, 0, 90) == (128, 64, 2, 1)
-    assert rc.choose(10, BF16, 1025, True, 0, 90) == (128, 128, 2, 1)
+    assert rc.choose(10, F32, 1025, True, 0, 90) == (256, 256, 2, 1)
+    assert rc.choose(10, BF16, 1025, True, 0, 90) == (256, 256, 1, 1)  # SBWD16_LADDER
     # the 16-bit norm backwards: one vector a thread (their gradient sums spill with two)
     assert rc.choose(12, BF16, 1000, True, 3, 90) == (128, 128, 1, 1)
     assert rc.choose(13, BF16, 8192, True, 0, 90) == (1024, 1024, 1, 1)
@@ -128,6 +129,35 @@ def test_grid_for():
     assert g == 132 * 8 and parts == g * 2  # a partial row for each of a block's two groups
 
 
+def test_softmax_backwards_16bit_stage_both_rows_in_shared_memory():
+    for op in (10, 11):
+        for dt in (BF16, F16):
+            assert rc.ladder(op, dt) == rc.SBWD16_LADDER
+            for cls in rc.SBWD16_LADDER:
+                assert rc.sbwd(op, dt, cls) and rc.pipelined(op, dt, cls)
+                assert rc.kernel_name(op, dt, cls).startswith("cl::row_sbwd_kernel<")
+                assert rc.row_smem_bytes(op, dt, cls) == 2 * cls[0] * cls[2] * 16
+            assert not rc.sbwd(op, dt, None)
+        for dt in (F32, F64):  # the register kernels
+            assert not rc.sbwd(op, dt, (256, 256, 2, 1))
+            assert rc.kernel_name(op, dt, (256, 256, 2, 1)).startswith("cl::row_kernel<")
+            assert rc.row_smem_bytes(op, dt, (256, 256, 2, 1)) == 0
+    assert not rc.sbwd(12, BF16, (256, 256, 1, 1))
+    # rows of 1,025-2,048 elements on 256 threads of one vector
+    assert rc.choose(11, BF16, 2048, True, 0, 90) == (256, 256, 1, 1)
+    assert rc.choose(11, BF16, 1024, True, 0, 90) == (128, 64, 2, 1)
+    assert rc.choose(10, F16, 4096, True, 0, 90) == (256, 256, 2, 1)
+    # below sm_80 a block opts in to 64 KiB at most, static shared memory included: the
+    # 1,024-thread class (64 KiB of rows) is skipped, and those rows go to row_generic
+    assert rc.choose(10, BF16, 16384, True, 0, 80) == (1024, 1024, 2, 1)
+    assert rc.choose(10, BF16, 16384, True, 0, 75) is None
+    assert rc.choose(10, BF16, 8192, True, 0, 75) == (512, 512, 2, 1)
+    names = rc.name_expressions("softmax_bwd", BF16)
+    assert "cl::row_sbwd_kernel<cl::bf16_t, 11, 256, 256, 1>" in names
+    assert not any(n.startswith("cl::row_kernel<") for n in names)
+    assert any(n.startswith("cl::row_kernel<") for n in rc.name_expressions("softmax_bwd", F32))
+
+
 def test_pipe_plan(monkeypatch):
     assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) == (528, 49152)
     assert rc.pipe_plan(1, F32, (128, 32, 4, 1), 32768, 132, 232448, 90) == (1056, 24576)
@@ -144,7 +174,13 @@ def test_pipe_plan(monkeypatch):
     # the backwards stage both row operands: twice the shared memory of a one-input op
     assert rc.pipe_plan(12, BF16, (128, 64, 2, 1), 32768, 132, 232448, 90) == (1056, 24576)
     assert rc.pipe_plan(10, BF16, (1024, 1024, 2, 1), 50, 132, 232448, 90) == (50, 196608)
-    assert rc.pipe_plan(10, BF16, (1024, 1024, 2, 1), 500, 132, 232448, 90) == (132, 196608)
+    # ... the 16-bit softmax backwards only while the grid holds every row at once (beyond:
+    # row_sbwd_kernel); four 256-thread blocks an SM under their 48 KiB of stages
+    assert rc.pipe_plan(10, BF16, (1024, 1024, 2, 1), 132, 132, 232448, 90) == (132, 196608)
+    assert rc.pipe_plan(10, BF16, (1024, 1024, 2, 1), 133, 132, 232448, 90) is None
+    assert rc.pipe_plan(11, F16, (256, 256, 2, 1), 528, 132, 232448, 90) == (528, 49152)
+    assert rc.pipe_plan(11, F16, (256, 256, 2, 1), 529, 132, 232448, 90) is None
+    assert rc.pipe_plan(12, BF16, (256, 256, 1, 1), 529, 132, 232448, 90) == (528, 24576)
     # ... for 16-bit dtypes only (float32 backwards measured slower piped)
     assert rc.pipe_plan(12, F32, (128, 64, 2, 1), 32768, 132, 232448, 90) is None
     assert rc.pipe_plan(11, F32, (1024, 1024, 2, 1), 50, 132, 232448, 90) is None

@@ -3,6 +3,8 @@ row lengths across every kernel class (sub-warp, warp, block, cluster, generic),
 contiguous / strided-row / offset / transposed views, CuPy and torch, poisoned outputs,
 special values, backward against the analytic references, finite differences and torch
 autograd."""
+import os
+
 import numpy as np
 import pytest
 
@@ -43,7 +45,12 @@ def check(got, ref, dt, scale=1.0, what=""):
 
 def make(rng, fw, rows, cols, dt, layout="contig", scale=4.0):
     """Host data (rounded to dt) and a device view with the requested layout."""
-    h = (rng.standard_normal((rows, cols)) * scale).astype(np_dtype(dt))
+    return place(fw, (rng.standard_normal((rows, cols)) * scale).astype(np_dtype(dt)), layout)
+
+
+def place(fw, h, layout="contig"):
+    """``(h, a device view of h with the requested layout)``."""
+    rows, cols = h.shape
     if layout == "contig":
         return h, from_host(fw, h)
     if layout == "strided":  # rows further apart than their length
@@ -395,6 +402,40 @@ def test_backward_analytic(rows, cols, dt):
         rdx, rdw = R.ROWWISE_REFERENCES["rms_norm_backward"](dyh, h, w, to_host(rstd))
         check(dx, rdx, dt, 4, "rms dx")
         check(dw, rdw, wdt, 2 * sc, "rms dw")
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("layout", ["contig", "offset"])
+@pytest.mark.parametrize("cols", [31, 200, 500, 1000, 2000, 4097, 8000, 16000])
+def test_softmax_backwards_both_sides_of_the_pipeline_boundary(cols, layout, dt):
+    """16-bit softmax_backward and log_softmax_backward take the pipelined kernel while its
+    grid holds every row at once and row_sbwd_kernel (both rows staged in shared memory)
+    beyond: each class of the ladder, on both sides, with rows of one head (contig) and of
+    varying heads (offset: partial 16-byte words at both ends)."""
+    from cupylab import _runtime  # noqa: PLC0415
+    from cupylab.ops import _rowcore as rc  # noqa: PLC0415
+
+    info = _runtime.device_info(0)
+    dtype = next(d for d in rc.FLOATS if d.name == dt)
+    # beyond any pipelined grid: at most 1,024 / threads blocks an SM (the 64-register cap)
+    # of threads / (threads a row) rows each, for the class of either head
+    big = 1 + max(info.sm_count * max(1, 1024 // c[0]) * (c[0] // c[1])
+                  for c in (rc.choose(10, dtype, cols, True, h, info.cc) for h in (0, None)))
+    for rows in (3, big):
+        rng = np.random.default_rng(rows + cols)
+        h = rng.standard_normal((rows, cols)) * 4.0
+        dyh, dy = make(rng, "cupy", rows, cols, dt, layout, scale=1.0)
+        # the class the call takes: its rows' first 16-byte boundary, if the same in every row
+        heads = {(dy.data.ptr + r * dy.strides[0]) % 16 // 2 for r in range(min(rows, 16))}
+        cls = rc.choose(10, dtype, cols, True, heads.pop() if len(heads) == 1 else None,
+                        info.cc)
+        piped = rc.pipe_plan(10, dtype, cls, rows, info.sm_count, info.max_smem_optin, info.cc)
+        if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") != "0":
+            assert (piped is None) == (rows == big or info.cc < 80)
+        for op, fwd in (("softmax_backward", "softmax"), ("log_softmax_backward", "log_softmax")):
+            yh, y = place("cupy", R.ROWWISE_REFERENCES[fwd](h).astype(np_dtype(dt)), layout)
+            check(getattr(cupylab, op)(y, dy), R.ROWWISE_REFERENCES[op](yh, dyh), dt, 4,
+                  f"{op}, {rows} rows")
 
 
 def test_backward_deterministic_and_no_weight():

@@ -77,6 +77,16 @@ LN16_BWD_LADDER = _NV1_BWD + ((1024, 1024, 1, 1), (1024, 1024, 2, 1))
 #: rms_norm_backward (one gradient sum a column): at 8,192 two vectors on 512 threads measured
 #: faster than one on 1,024 (H200: bf16 8192x8192 142 against 180 us, docs/perf.md)
 RMS16_BWD_LADDER = _NV1_BWD + ((512, 512, 2, 1), (1024, 1024, 2, 1))
+#: 16-bit softmax_backward and log_softmax_backward: beyond the rows their pipelined grid
+#: holds at once (:func:`pipe_plan`), one block a row group with both rows staged in shared
+#: memory (row_sbwd_kernel, 29-32 registers, 2,048 threads an SM) instead of the persistent
+#: pipeline that holds them in registers (56, 1,024 threads): 1.03-1.11x at 4096 x 4096 to
+#: 65536 x 4096, 32768 x 1024, 8192^2 and 4096 x 16384, the same at 1,024 rows of 4,096, and
+#: 0.95-0.97x at 128 and 256 rows, which keep the pipeline (H100, docs/tuning.md). Rows of
+#: 1,025-2,048 elements on 256 threads of one vector: 1.06x two vectors on 128.
+SBWD16_OPS = (10, 11)
+SBWD16_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
+                 (256, 256, 1, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
 GENERIC_THREADS = 512  # GT in cupylab_rowgeneric.cuh
 COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_W columns each
 #: ops that use the persistent cp.async pipeline (row_pipe_kernel) for the non-cluster
@@ -101,6 +111,8 @@ _INT32_MAX = 2**31 - 1
 def ladder(op, dt):
     if smem_rows(op, dt):
         return SMEM_LADDER
+    if dt.itemsize == 2 and op in SBWD16_OPS:
+        return SBWD16_LADDER
     if dt.itemsize == 2 and op == 12:
         return RMS16_BWD_LADDER
     if dt.itemsize == 2 and op == 13:
@@ -108,16 +120,11 @@ def ladder(op, dt):
     return BWD_LADDER if op >= 10 else FWD_LADDER
 
 
-#: softmax_backward and log_softmax_backward hold both rows in shared memory
-#: (row_sbwd_kernel) in these dtypes' sizes
-SBWD_OPS = (10, 11)
-SBWD_SIZES = (2, 4)
-
-
 def sbwd(op, dt, cls):
-    """Whether class ``cls`` of ``op`` on ``dt`` runs row_sbwd_kernel (both rows staged in
-    shared memory, no pipeline)."""
-    return op in SBWD_OPS and dt.itemsize in SBWD_SIZES and cls is not None and cls[3] == 1
+    """Whether class ``cls`` of ``op`` on ``dt`` has row_sbwd_kernel (16-bit
+    softmax_backward and log_softmax_backward: both rows staged in shared memory,
+    :data:`SBWD16_LADDER`) instead of the plain register kernel."""
+    return op in SBWD16_OPS and dt.itemsize == 2 and cls is not None
 
 
 def piped(op, dt):
@@ -133,7 +140,7 @@ def pipelined(op, dt, cls):
     0.79-0.97x, float32 1024x65536 0.72-0.79x), and the two-block class it won on (16-bit,
     up to 65,536 elements) gave way to shared-memory rows (:data:`SMEM_LADDER`;
     docs/tuning.md, "Long rows")."""
-    return cls[3] == 1 and piped(op, dt) and not sbwd(op, dt, cls)
+    return cls[3] == 1 and piped(op, dt)
 
 
 def smem_rows(op, dt):
@@ -144,7 +151,8 @@ def smem_rows(op, dt):
 
 def row_smem_bytes(op, dt, cls):
     """The dynamic shared memory of a block of class ``cls`` that holds its segment of the row
-    (``THREADS * NV`` 16-byte slots), 0 for a class that keeps it in registers."""
+    (``THREADS * NV`` 16-byte slots; twice that for :func:`sbwd`, which stages two rows), 0 for
+    a class that keeps it in registers."""
     if sbwd(op, dt, cls):
         return 2 * cls[0] * cls[2] * 16
     return cls[0] * cls[2] * 16 if cls[3] > 1 and smem_rows(op, dt) else 0
@@ -239,6 +247,8 @@ def choose(op, dt, cols, vec_ok, head, cc):
         th, tpr, nv, c = cls
         if c > 1 and cc < 90:
             continue
+        if cc < 80 and row_smem_bytes(op, dt, cls) > 48 * 1024:
+            continue  # sm_75 opts in to 64 KiB a block, static shared memory included
         if tpr * nv * c >= need:
             return cls
     return None
@@ -544,7 +554,8 @@ def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
     """``(grid, dynamic shared memory)`` of the persistent pipelined kernel for ``cls``, or
     None when it does not apply (other ops, compute capability below 8.0 (no ``cp.async``),
     too little shared memory, the ``CUPYLAB_ROWWISE_PIPELINE=0`` switch, classes without one:
-    :func:`pipelined`; :data:`PIPE16_FEW_OPS` beyond one block's rows an SM). Persistent
+    :func:`pipelined`; :data:`PIPE16_FEW_OPS` beyond one block's rows an SM;
+    :data:`SBWD16_OPS` beyond the rows the grid holds at once). Persistent
     grids never exceed what is resident at once (an SM's shared memory is the per-block
     opt-in maximum plus the 1 KiB the driver reserves: 228 KiB on sm_90, 164 KiB on sm_80)."""
     if cls is None or cc < 80 or not pipelined(op, dt, cls):
@@ -559,6 +570,8 @@ def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
     units = -(-rows // (th // tpr))
     if op in PIPE16_FEW_OPS and units > sm_count:
         return None
+    if op in SBWD16_OPS and units > sm_count * per_sm:
+        return None  # every row at once only: beyond, row_sbwd_kernel (SBWD16_LADDER)
     return max(1, min(units, sm_count * per_sm)), smem
 
 
