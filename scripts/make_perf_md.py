@@ -114,6 +114,8 @@ FILES = {  # stored file -> what it holds
     "few_before.json": "the same cases in the same round, before it (ed7de5e)",
     "lnx0_after.json": "layer_norm loading its shift x[0] before the row's wait, 2nd round (H100)",
     "lnx0_before.json": "the same cases in the same round, before it (3322ab5)",
+    "sbwd_after.json": "16-bit softmax backwards, both rows in shared memory, 2nd round (H100)",
+    "sbwd_before.json": "the same cases in the same round, before it (de99e23)",
 }
 
 

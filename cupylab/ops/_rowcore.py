@@ -80,7 +80,7 @@ RMS16_BWD_LADDER = _NV1_BWD + ((512, 512, 2, 1), (1024, 1024, 2, 1))
 #: 16-bit softmax_backward and log_softmax_backward: beyond the rows their pipelined grid
 #: holds at once (:func:`pipe_plan`), one block a row group with both rows staged in shared
 #: memory (row_sbwd_kernel, 29-32 registers, 2,048 threads an SM) instead of the persistent
-#: pipeline that holds them in registers (56, 1,024 threads): 1.03-1.11x at 4096 x 4096 to
+#: pipeline that holds them in registers (56, 1,024 threads): 1.01-1.11x at 4096 x 4096 to
 #: 65536 x 4096, 32768 x 1024, 8192^2 and 4096 x 16384, the same at 1,024 rows of 4,096, and
 #: 0.95-0.97x at 128 and 256 rows, which keep the pipeline (H100, docs/tuning.md). Rows of
 #: 1,025-2,048 elements on 256 threads of one vector: 1.06x two vectors on 128.
