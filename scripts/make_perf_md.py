@@ -116,6 +116,8 @@ FILES = {  # stored file -> what it holds
     "lnx0_before.json": "the same cases in the same round, before it (3322ab5)",
     "sbwd_after.json": "16-bit softmax backwards, both rows in shared memory, 2nd round (H100)",
     "sbwd_before.json": "the same cases in the same round, before it (de99e23)",
+    "lsmy_after.json": "16-bit log_softmax_backward reading y after the reduction, 2nd round (H100)",
+    "lsmy_before.json": "the same cases in the same round, before it (626c253)",
 }
 
 
