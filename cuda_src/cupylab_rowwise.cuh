@@ -28,6 +28,13 @@ __device__ __forceinline__ P* row_ptr(u64 base, const RowArgs& p, int k, i64 row
     return reinterpret_cast<P*>(base) + ro * p.so[k] + ri * p.si[k];
 }
 
+// The elements before the first 16-byte boundary at or below p: a row's "head", where its
+// first 16-byte slot starts (the host gives every row operand the same head in a row).
+template <typename T>
+__device__ __forceinline__ int row_head(const T* p) {
+    return (int)(((u64)p & 15) / sizeof(T));
+}
+
 // exp in the row kernels: for 16-bit data one ex2.approx.ftz of x * log2(e) (an error far
 // below their rounding; results below 2^-126, under 1e-38 of the row's largest term, flush to
 // 0), the accurate one for float32 / float64. __expf is the same ex2 without ftz, which costs
@@ -290,7 +297,7 @@ __device__ __forceinline__ void issue_row(Vec<T, V>* stage, const RowArgs& p, i6
                                           int cols, T fill) {
     if (row >= p.rows) return;
     const T* x = row_ptr<const T>(IN ? p.in1 : p.in0, p, IN, row);
-    const int head = (int)(((u64)x & 15) / sizeof(T));
+    const int head = row_head(x);
     const T* xal = x - head;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {

@@ -65,7 +65,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         const bool active = row < p.rows;
         const i64 rr = active ? row : 0;
         const T* x = row_ptr<const T>(p.in0, p, 0, rr);
-        const int head = (int)(((u64)x & 15) / sizeof(T));
+        const int head = row_head(x);
         const T* xal = x - head;
         // layer_norm's shift, the row's first element: loaded before the row's loads are
         // waited for, so that its round trip overlaps theirs instead of following them
@@ -529,7 +529,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
     if constexpr (BWD_W) {
         // this group's partial column sums: row blockIdx.x * RPB + group of part0 / part1
         const T* x0 = row_ptr<const T>(p.in0, p, 0, 0);
-        const int head = (int)(((u64)x0 & 15) / sizeof(T));
+        const int head = row_head(x0);
         A* pw = reinterpret_cast<A*>(p.part0) + ((i64)blockIdx.x * RPB + group) * cols;
         A* pb = reinterpret_cast<A*>(p.part1) + ((i64)blockIdx.x * RPB + group) * cols;
 #pragma unroll
@@ -607,7 +607,7 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) row_sbwd_kernel(const
         d = group_reduce<TPR, 1, 0, THREADS>(d, SumOp(), it);
         if (active) {
             const T* x = row_ptr<const T>(p.in0, p, 0, row);
-            const int head = (int)(((u64)x & 15) / sizeof(T));
+            const int head = row_head(x);
             T* yal = row_ptr<T>(p.out0, p, 2, row) - head;
             Vec<T, V> yv[NV];  // log_softmax_backward: y, read only now
             if constexpr (OP == OP_LOG_SOFTMAX_BWD) {
