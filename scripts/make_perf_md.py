@@ -118,6 +118,9 @@ FILES = {  # stored file -> what it holds
     "sbwd_before.json": "the same cases in the same round, before it (de99e23)",
     "lsmy_after.json": "16-bit log_softmax_backward reading y after the reduction, 2nd round (H100)",
     "lsmy_before.json": "the same cases in the same round, before it (626c253)",
+    "f64plain_after.json": "float64 row-wise forwards on the plain register kernels, "
+                           "CUPYLAB_ROWWISE_PIPELINE=0 on d0ac6e9, 2nd round (H100)",
+    "f64plain_before.json": "the same cases in the same round, on the pipeline (d0ac6e9)",
 }
 
 

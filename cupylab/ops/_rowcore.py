@@ -93,6 +93,10 @@ COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_
 #: ops that use the persistent cp.async pipeline (row_pipe_kernel) for the non-cluster
 #: classes: PIPE_STAGES rows of each input per block in shared memory. The backwards use it
 #: for 16-bit dtypes only: for float32 it measured 0.85-1.04x of the plain kernel (H200).
+#: float64 rows take none: the plain register kernels measured 1.03-1.21x the pipeline
+#: from 1,024 rows of 4,096 and at 65536 x 1024 (log_softmax 4096 x 4096 114 -> 94 us, 78 ->
+#: 94 % of the copy ceiling), ties at 256 rows, and for rms_norm 1.05-1.07x from 4,096 rows
+#: but 0.97-0.98x at 256 and 1,024 (H100, docs/tuning.md "float64 rows without the pipeline").
 PIPE_OPS = (0, 1, 2, 3, 5)
 PIPE16_OPS = (10, 11, 12, 13)
 #: 16-bit add_rms_norm takes the pipelined kernel only while each SM gets at most one
@@ -130,6 +134,8 @@ def sbwd(op, dt, cls):
 
 def piped(op, dt):
     """Whether ``op`` on ``dt`` has the persistent pipelined kernels (row_pipe_kernel)."""
+    if dt.itemsize == 8:
+        return False  # float64: the plain register kernels (see PIPE_OPS)
     return op in PIPE_OPS or (dt.itemsize == 2 and (op in PIPE16_OPS or op in PIPE16_FEW_OPS))
 
 
