@@ -606,15 +606,15 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) row_sbwd_kernel(const
         }
         d = group_reduce<TPR, 1, 0, THREADS>(d, SumOp(), it);
         if (active) {
-            const T* x = row_ptr<const T>(p.in0, p, 0, row);
-            const int head = row_head(x);
-            T* yal = row_ptr<T>(p.out0, p, 2, row) - head;
+            const T* y = row_ptr<const T>(p.in0, p, 0, row);
+            const int head = row_head(y);
+            T* dxal = row_ptr<T>(p.out0, p, 2, row) - head;
             Vec<T, V> yv[NV];  // log_softmax_backward: y, read only now
             if constexpr (OP == OP_LOG_SOFTMAX_BWD) {
 #pragma unroll
                 for (int j = 0; j < NV; ++j) {
                     const int s = lane + j * TPR;
-                    load_slot<T, V>(yv[j], x - head, s, s * V - head, cols, true, T());
+                    load_slot<T, V>(yv[j], y - head, s, s * V - head, cols, true, T());
                 }
             }
 #pragma unroll
@@ -629,7 +629,7 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) row_sbwd_kernel(const
                 Vec<T, V> o;
                 pack<T, V>(f, o);
                 const int s = lane + j * TPR;
-                store_slot<T, V>(yal, o, s, s * V - head, cols, true);
+                store_slot<T, V>(dxal, o, s, s * V - head, cols, true);
             }
         }
         // this thread's slots are copied again for its next row only after these reads
