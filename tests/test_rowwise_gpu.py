@@ -411,8 +411,10 @@ def test_softmax_backwards_both_sides_of_the_pipeline_boundary(cols, layout, dt)
     """16-bit softmax_backward and log_softmax_backward take the pipelined kernel while its
     grid holds every row at once and row_sbwd_kernel (both rows staged in shared memory)
     beyond: each class of the ladder, on both sides, with rows of one head (contig) and of
-    varying heads (offset: partial 16-byte words at both ends)."""
-    from cupylab import _runtime  # noqa: PLC0415
+    varying heads (offset: partial 16-byte words at both ends; ``out=`` in the same layout,
+    else the operands' heads differ and the call takes row_generic). The class is the one
+    the call plans, from the operands' layout (:func:`_rowcore.make_layout`)."""
+    from cupylab import _arrays, _runtime  # noqa: PLC0415
     from cupylab.ops import _rowcore as rc  # noqa: PLC0415
 
     info = _runtime.device_info(0)
@@ -425,17 +427,19 @@ def test_softmax_backwards_both_sides_of_the_pipeline_boundary(cols, layout, dt)
         rng = np.random.default_rng(rows + cols)
         h = rng.standard_normal((rows, cols)) * 4.0
         dyh, dy = make(rng, "cupy", rows, cols, dt, layout, scale=1.0)
-        # the class the call takes: its rows' first 16-byte boundary, if the same in every row
-        heads = {(dy.data.ptr + r * dy.strides[0]) % 16 // 2 for r in range(min(rows, 16))}
-        cls = rc.choose(10, dtype, cols, True, heads.pop() if len(heads) == 1 else None,
-                        info.cc)
-        piped = rc.pipe_plan(10, dtype, cls, rows, info.sm_count, info.max_smem_optin, info.cc)
-        if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") != "0":
-            assert (piped is None) == (rows == big or info.cc < 80)
         for op, fwd in (("softmax_backward", "softmax"), ("log_softmax_backward", "log_softmax")):
             yh, y = place("cupy", R.ROWWISE_REFERENCES[fwd](h).astype(np_dtype(dt)), layout)
-            check(getattr(cupylab, op)(y, dy), R.ROWWISE_REFERENCES[op](yh, dyh), dt, 4,
-                  f"{op}, {rows} rows")
+            # contig: the new output the call allocates (C-contiguous, as y and dy)
+            out = place("cupy", np.zeros((rows, cols), np_dtype(dt)), layout)[1]
+            views = [_arrays.as_view(a) for a in (y, dy, out)]
+            lay = rc.make_layout(op, (rows, cols), [*views, None], -1)
+            cls = rc.choose(rc.OP[op], dtype, cols, lay.vec_ok, lay.head, info.cc)
+            piped = rc.pipe_plan(rc.OP[op], dtype, cls, rows, info.sm_count,
+                                 info.max_smem_optin, info.cc)
+            if os.environ.get("CUPYLAB_ROWWISE_PIPELINE", "1") != "0":
+                assert (piped is None) == (rows == big or info.cc < 80)
+            got = getattr(cupylab, op)(y, dy, out=None if layout == "contig" else out)
+            check(got, R.ROWWISE_REFERENCES[op](yh, dyh), dt, 4, f"{op}, {rows} rows")
 
 
 def test_backward_deterministic_and_no_weight():
