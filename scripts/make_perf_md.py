@@ -121,6 +121,9 @@ FILES = {  # stored file -> what it holds
     "f64plain_after.json": "float64 row-wise forwards on the plain register kernels, "
                            "CUPYLAB_ROWWISE_PIPELINE=0 on d0ac6e9, 2nd round (H100)",
     "f64plain_before.json": "the same cases in the same round, on the pipeline (d0ac6e9)",
+    "f32plain_after.json": "float32 row-wise forwards on the plain register kernels, "
+                           "branch commit f06ee06 (squashed into main), 2nd round (H100)",
+    "f32plain_before.json": "the same cases in the same round, on the pipeline (5462ced)",
 }
 
 

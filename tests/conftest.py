@@ -152,6 +152,7 @@ def sim(monkeypatch):
         ptr=_launch.current_stream("cupy", _runtime.current_device())))
 
     handles = {}  # pretend CUfunction -> the kernel
+    planted = []  # (kernel, device) whose pretend function this fixture stored
 
     def launch(self, device, grid, block, stream, args, shared_mem=0, grid_yz=(1, 1),
                block_yz=(1, 1)):
@@ -163,7 +164,9 @@ def sim(monkeypatch):
         # as the real launch leaves them: the kernel's function on the device and this
         # thread's parameter buffer (users' kernels then launch through the driver directly)
         handles[id(self)] = self
-        self._fns.setdefault(device, id(self))
+        if device not in self._fns:  # taken back at teardown (the kernels outlive the test)
+            planted.append((self, device))
+            self._fns[device] = id(self)
         if not hasattr(self._tls, "bp"):
             self._buffers()
 
@@ -180,7 +183,13 @@ def sim(monkeypatch):
     monkeypatch.setattr(_launch.Kernel, "launch", launch)
     monkeypatch.setattr(_launch, "_driver_launch", driver_launch)
     monkeypatch.setattr(_kernel, "_GRID_1D", {})
-    return rec
+    yield rec
+    # The kernel objects are the library's own, cached for the process: a pretend function
+    # left in one would be launched by a later GPU test in the same worker (the driver says
+    # CUDA_ERROR_INVALID_HANDLE), so each one stored here is taken out again.
+    for k, device in planted:
+        if k._fns.get(device) == id(k):
+            del k._fns[device]
 
 
 def compile_every(programs, cc):

@@ -80,7 +80,7 @@ def test_each_device_gets_its_own_plan(fake, monkeypatch):
     monkeypatch.setattr(rc, "_opt_in", lambda k, dev, smem: opted.append((dev, smem)))
     for dev in (0, 1):
         monkeypatch.setattr(rf, "_get_device", lambda dev=dev: dev)
-        rf.softmax("softmax", Arr((50000, 2048), dev=dev), -1)
+        rf.softmax("softmax", Arr((50000, 2048), F16, dev=dev), -1)  # 16-bit: pipelined
     assert len(rf._plans) == 2
     assert fake[0][1] != fake[1][1]  # grids sized for 132 and 108 SMs
     assert [d for d, _ in opted] == [0, 1]

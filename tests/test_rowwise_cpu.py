@@ -159,10 +159,10 @@ def test_softmax_backwards_16bit_stage_both_rows_in_shared_memory():
 
 
 def test_pipe_plan(monkeypatch):
-    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) == (528, 49152)
-    assert rc.pipe_plan(1, F32, (128, 32, 4, 1), 32768, 132, 232448, 90) == (1056, 24576)
-    assert rc.pipe_plan(3, F32, (1024, 1024, 4, 1), 100, 132, 232448, 90) == (100, 196608)
-    assert rc.pipe_plan(3, F32, (1024, 1024, 4, 1), 1000, 132, 232448, 90) == (132, 196608)
+    assert rc.pipe_plan(0, BF16, (256, 256, 4, 1), 8192, 132, 232448, 90) == (528, 49152)
+    assert rc.pipe_plan(1, BF16, (128, 32, 4, 1), 32768, 132, 232448, 90) == (1056, 24576)
+    assert rc.pipe_plan(3, F16, (1024, 1024, 4, 1), 100, 132, 232448, 90) == (100, 196608)
+    assert rc.pipe_plan(3, F16, (1024, 1024, 4, 1), 1000, 132, 232448, 90) == (132, 196608)
     assert rc.pipe_plan(4, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) is None  # add_rms_norm
     # ... whose 16-bit kernels are piped while each SM gets at most one block's rows
     assert rc.pipe_plan(4, F32, (128, 128, 4, 1), 16, 132, 232448, 90) is None
@@ -184,11 +184,13 @@ def test_pipe_plan(monkeypatch):
     # ... for 16-bit dtypes only (float32 backwards measured slower piped)
     assert rc.pipe_plan(12, F32, (128, 64, 2, 1), 32768, 132, 232448, 90) is None
     assert rc.pipe_plan(11, F32, (1024, 1024, 2, 1), 50, 132, 232448, 90) is None
-    assert rc.piped(13, BF16) and rc.piped(0, F32) and not rc.piped(13, F32)
-    assert not rc.piped(0, F64) and not rc.piped(5, F64)  # float64: the plain kernels
+    assert rc.piped(13, BF16) and rc.piped(0, F16) and not rc.piped(13, F32)
+    # float32 and float64 rows: the plain register kernels
+    assert not any(rc.piped(op, dt) for op in rc.PIPE_OPS for dt in (F32, F64))
+    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) is None
     # no cp.async below compute capability 8.0: the plain register kernels
-    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 40, 65536, 75) is None
-    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 108, 166912, 80) == (324, 49152)
+    assert rc.pipe_plan(0, BF16, (256, 256, 4, 1), 8192, 40, 65536, 75) is None
+    assert rc.pipe_plan(0, BF16, (256, 256, 4, 1), 8192, 108, 166912, 80) == (324, 49152)
     # cluster rows take the plain cluster kernel (one cluster a row)
     assert rc.pipe_plan(0, F32, (512, 512, 4, 4), 8192, 132, 232448, 90) is None
     assert rc.pipe_plan(5, BF16, (512, 512, 4, 8), 3, 132, 232448, 90) is None
@@ -196,9 +198,9 @@ def test_pipe_plan(monkeypatch):
     assert rc.pipe_plan(2, F32, (512, 512, 4, 4), 1024, 132, 232448, 90) is None
     with pytest.raises(ValueError, match="no pipelined kernel"):
         rc.kernel_name(0, BF16, (512, 512, 4, 4), True)
-    assert rc.pipe_plan(0, F32, (1024, 1024, 4, 1), 8, 132, 101376, 90) is None  # too little smem
+    assert rc.pipe_plan(0, BF16, (1024, 1024, 4, 1), 8, 132, 101376, 90) is None  # too little smem
     monkeypatch.setenv("CUPYLAB_ROWWISE_PIPELINE", "0")
-    assert rc.pipe_plan(0, F32, (256, 256, 4, 1), 8192, 132, 232448, 90) is None
+    assert rc.pipe_plan(0, BF16, (256, 256, 4, 1), 8192, 132, 232448, 90) is None
 
 
 class _V:
@@ -240,7 +242,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 732
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 692
 
 
 def test_errors_need_no_gpu():
@@ -446,7 +448,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 732
+    assert n == 692
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():
