@@ -1,5 +1,6 @@
 """Shared test helpers: GPU detection (GPU tests are skipped with a visible reason when there
 is none) and fake protocol objects that need no GPU."""
+import contextlib
 import ctypes
 import os
 
@@ -129,6 +130,14 @@ class _SimInfo:
 def sim(monkeypatch):
     """A pretend GPU 0 whose current stream is 0x5700; kernel launches are recorded (with the
     arguments packed as the real launch packs them), not run."""
+    with simulated_gpu(monkeypatch) as rec:
+        yield rec
+
+
+@contextlib.contextmanager
+def simulated_gpu(monkeypatch):
+    """The ``sim`` fixture's pretend GPU, for ``monkeypatch`` (its patches end with it); on
+    leaving, the pretend functions it stored in the library's kernels are taken out again."""
     from contextlib import nullcontext
 
     import types
@@ -183,13 +192,15 @@ def sim(monkeypatch):
     monkeypatch.setattr(_launch.Kernel, "launch", launch)
     monkeypatch.setattr(_launch, "_driver_launch", driver_launch)
     monkeypatch.setattr(_kernel, "_GRID_1D", {})
-    yield rec
-    # The kernel objects are the library's own, cached for the process: a pretend function
-    # left in one would be launched by a later GPU test in the same worker (the driver says
-    # CUDA_ERROR_INVALID_HANDLE), so each one stored here is taken out again.
-    for k, device in planted:
-        if k._fns.get(device) == id(k):
-            del k._fns[device]
+    try:
+        yield rec
+    finally:
+        # The kernel objects are the library's own, cached for the process: a pretend function
+        # left in one would be launched by a later GPU test in the same worker (the driver
+        # says CUDA_ERROR_INVALID_HANDLE), so each one stored here is taken out again.
+        for k, device in planted:
+            if k._fns.get(device) == id(k):
+                del k._fns[device]
 
 
 def compile_every(programs, cc):

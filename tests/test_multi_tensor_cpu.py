@@ -285,6 +285,29 @@ def test_dlpack_inputs_read_again_are_asked_for_the_launch_stream(sim, monkeypat
     assert sim["launches"][-1]["stream"] == 0x5700
 
 
+def test_the_pretend_gpu_leaves_no_function_in_the_librarys_kernels():
+    """The library's kernel objects live as long as the process: a pretend CUfunction the
+    ``sim`` fixture left in one was launched by a later GPU test in the same pytest worker
+    (CUDA_ERROR_INVALID_HANDLE). What it stores, it takes out when the test ends."""
+    import types
+
+    from conftest import simulated_gpu
+
+    k = P.kernel("norm", "cl::mt::mt_step_inc", ("Q", "i", "Q"))
+    before = dict(k._fns)  # a real function for device 0 where a GPU test ran before
+    mp = pytest.MonkeyPatch()
+    mp.setattr(P, "build", lambda views, sizes, device, kind, s: types.SimpleNamespace(
+        device=device, kind=kind, sizes=sizes, groups=[types.SimpleNamespace(sig=("float32",))]))
+    try:
+        with simulated_gpu(mp) as rec:
+            optim.increment_step_(FakeCAI((1,), ptr=0x7F0000003000))
+            assert rec["launches"][-1]["name"] == "cl::mt::mt_step_inc"
+            assert k._fns.get(0) == (before[0] if 0 in before else id(k))
+        assert k._fns == before
+    finally:
+        mp.undo()
+
+
 def test_lerp_with_empty_lists_returns_out_and_checks_the_lengths_as_add_does():
     a = FakeCAI((3,))
     for fn, args in ((foreach.lerp, ([], [], 0.5)), (foreach.add, ([], []))):
