@@ -246,6 +246,15 @@ def test_optimizer_hyper_parameters_of_a_wrong_type_are_type_errors(bad):
         optim.adam_([a], [b], [a], [b], lr=0.1, step=1, eps=-1e-8)  # a number out of range
 
 
+def _plan_without_upload(views, sizes, device, kind, s):
+    """A stand-in for ``_mt_plan.build``: the plan's fields that increment_step_ reads, with
+    no table uploaded to a GPU."""
+    import types
+
+    return types.SimpleNamespace(device=device, kind=kind, sizes=sizes, groups=[
+        types.SimpleNamespace(sig=(views[0][0].dtype.name,))])
+
+
 @pytest.mark.parametrize("step", [True, False])
 def test_a_bool_step_is_refused(sim, monkeypatch, step):
     """step=True was taken as 1 (and False gave a ValueError about its value)."""
@@ -273,11 +282,7 @@ def test_dlpack_inputs_read_again_are_asked_for_the_launch_stream(sim, monkeypat
     assert made == [((4,), 0x99), ((2, 3), 0x99)]
     assert [x.asked_stream for x in xs] == [0x99, 0x99]
 
-    def build(views, sizes, device, kind, s):
-        return types.SimpleNamespace(device=device, kind=kind, sizes=sizes, groups=[
-            types.SimpleNamespace(sig=(views[0][0].dtype.name,))])
-
-    monkeypatch.setattr(P, "build", build)
+    monkeypatch.setattr(P, "build", _plan_without_upload)
     step = FakeDLPack((1,), ptr=0x7F0000003000)
     optim.increment_step_(step)
     assert step.asked_stream == 0x5700
@@ -289,15 +294,12 @@ def test_the_pretend_gpu_leaves_no_function_in_the_librarys_kernels():
     """The library's kernel objects live as long as the process: a pretend CUfunction the
     ``sim`` fixture left in one was launched by a later GPU test in the same pytest worker
     (CUDA_ERROR_INVALID_HANDLE). What it stores, it takes out when the test ends."""
-    import types
-
     from conftest import simulated_gpu
 
     k = P.kernel("norm", "cl::mt::mt_step_inc", ("Q", "i", "Q"))
     before = dict(k._fns)  # a real function for device 0 where a GPU test ran before
     mp = pytest.MonkeyPatch()
-    mp.setattr(P, "build", lambda views, sizes, device, kind, s: types.SimpleNamespace(
-        device=device, kind=kind, sizes=sizes, groups=[types.SimpleNamespace(sig=("float32",))]))
+    mp.setattr(P, "build", _plan_without_upload)
     try:
         with simulated_gpu(mp) as rec:
             optim.increment_step_(FakeCAI((1,), ptr=0x7F0000003000))

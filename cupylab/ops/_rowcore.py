@@ -91,20 +91,19 @@ SBWD16_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 
 GENERIC_THREADS = 512  # GT in cupylab_rowgeneric.cuh
 COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_W columns each
 #: ops that use the persistent cp.async pipeline (row_pipe_kernel) for the non-cluster
-#: classes: PIPE_STAGES rows of each input per block in shared memory. The backwards use it
-#: for 16-bit dtypes only: for float32 it measured 0.85-1.04x of the plain kernel (H200).
+#: classes, in 16-bit dtypes only: PIPE_STAGES rows of each input per block in shared memory.
+#: (The float32 backwards measured 0.85-1.04x of the plain kernel on it, H200.)
 #: float64 rows take none: the plain register kernels measured 1.03-1.21x the pipeline
 #: from 1,024 rows of 4,096 and at 65536 x 1024 (log_softmax 4096 x 4096 114 -> 94 us, 78 ->
 #: 94 % of the copy ceiling), ties at 256 rows, and for rms_norm 1.05-1.07x from 4,096 rows
 #: but 0.97-0.98x at 256 and 1,024 (H100, docs/tuning.md "float64 rows without the pipeline").
-#: float32 rows likewise: 1.07-1.18x from 4,096 rows of 4,096 and at 65536 x 1024 for all
+#: float32 rows likewise: 1.06-1.18x from 4,096 rows of 4,096 and at 65536 x 1024 for all
 #: five ops (the softmaxes and norms at 92-97 % of the copy ceiling; softmax 65536 x 1024
 #: 200.7 -> 183.6 us, 0.92 -> 1.00x torch), 1.03-1.07x at 256 rows, 1.00-1.05x at 1,024 rows
 #: but rms_norm there 0.955x (14.0 -> 14.7 us; the pipeline's rms_norm edge is 512-1,024 rows
 #: of 4,096 only, it loses at 1024 x 2048 and 2048 x 2048), H100, docs/tuning.md "float32
 #: rows without the pipeline".
-PIPE_OPS = (0, 1, 2, 3, 5)
-PIPE16_OPS = (10, 11, 12, 13)
+PIPE_OPS = (0, 1, 2, 3, 5, 10, 11, 12, 13)
 #: 16-bit add_rms_norm takes the pipelined kernel only while each SM gets at most one
 #: block's rows: there it was 1.06-1.13x the plain kernel at 16 rows of 4,096 and 1.47-1.52x
 #: at 128, and beyond 0.94-1.03x (2,048 and 8,192 rows of 4,096, 8192^2, 32768 x 1024,
@@ -140,9 +139,8 @@ def sbwd(op, dt, cls):
 
 def piped(op, dt):
     """Whether ``op`` on ``dt`` has the persistent pipelined kernels (row_pipe_kernel)."""
-    if dt.itemsize != 2:
-        return False  # float32 and float64: the plain register kernels (see PIPE_OPS)
-    return op in PIPE_OPS or op in PIPE16_OPS or op in PIPE16_FEW_OPS
+    # float32 and float64: the plain register kernels (see PIPE_OPS)
+    return dt.itemsize == 2 and (op in PIPE_OPS or op in PIPE16_FEW_OPS)
 
 
 def pipelined(op, dt, cls):
