@@ -51,7 +51,7 @@ COMMANDS = "sweep_commands.txt"
 FILES = {  # stored file -> what it holds
     "sweep.json": "every operator x dtype x power of two 2^10..2^28, peers torch eager and CuPy",
     "sweep_h100.json": "the sweep again on an H100, every second power of two, peers JAX too, "
-                       "the tree of 2026-12-06 (d0ac6e9)",
+                       "the tree of 2026-12-06 (29425b8)",
     "fusion.json": "fused_add_mul against torch eager, torch.compile and CuPy",
     "overhead.json": "host cost per call and graph replay",
     "medium.json": "float dtypes at 2^20..2^23, 7 repetitions (a second look at medium sizes)",
