@@ -118,6 +118,22 @@ def test_torch_inputs_rotate_buffers_and_compare_peers(tmp_path):
         assert e is not None and e.get("us"), e
 
 
+@needs_torch
+def test_both_sides_write_their_results_the_same_way(tmp_path):
+    """Elementwise: cupylab and torch write the rotating out= buffers; row-wise (torch's
+    row-wise ops allocate): cupylab allocates too, so neither side alone gets its output
+    block back from a cache, warm in L2, on every call."""
+    js = tmp_path / "outs.json"
+    r = invoke(["run", "add", "log_softmax_backward", "--dtype", "float32", "--size",
+                "16x4096", "--framework", "torch", "--peers", "torch", "--repeat", "2",
+                "--json", js])
+    assert r.exit_code == 0
+    doc = _report.load(js)
+    _ok(doc)
+    got = {x["op"]: (x["out"], x["peers"]["torch"]["out"]) for x in doc["results"]}
+    assert got == {"add": (True, True), "log_softmax_backward": (False, False)}, got
+
+
 @needs_jax
 def test_jax_inputs(tmp_path):
     js = tmp_path / "jax.json"

@@ -5,7 +5,8 @@ A case
 
 1. makes fresh random operands (:class:`~cupylab.bench._operands.OperandSets`), rotated among
    several buffer sets when one call's working set is smaller than twice the L2 cache;
-2. calls the cupylab operator once (with ``out=`` for torch and CuPy inputs) and compares a
+2. calls the cupylab operator once (with ``out=`` for torch and CuPy inputs, except for the
+   row-wise operators, below) and compares a
    sample of the result (the first and last 65,536 elements and 65,536 random ones, or all of
    them) with the float64 reference of :mod:`cupylab.reference` within
    :data:`cupylab.reference.TOLERANCES`. A wrong result is ``FAILED`` and is not timed; an
@@ -19,8 +20,13 @@ A case
    both sides move the same bytes; JAX, torch.compile and every row-wise peer allocate their
    result (``"out": false`` in the JSON). An allocating peer gets its framework's cached block
    back on every call, an output that stays in L2 at medium sizes, which a rotating ``out=``
-   does not. Row-wise results are also compared as a whole (``normwise`` in
-   :func:`cupylab.bench._operands.compare`).
+   does not. So that both sides of a row-wise case write their results the same way, cupylab
+   allocates its row-wise results too (in the caller's framework, whose cache gives the same
+   block back on every call; ``"out": false`` in the result): against a rotating ``out=`` the
+   allocating peer gained up to 20 % at working sets of a few L2 sizes (H100, 16-bit
+   ``log_softmax_backward`` 1024 x 4096: torch 9.8 µs allocating, 11.8 µs into rotating
+   ``out=`` buffers; cupylab 10.0 and 12.0 µs; docs/tuning.md). Row-wise results are also
+   compared as a whole (``normwise`` in :func:`cupylab.bench._operands.compare`).
 """
 from __future__ import annotations
 
@@ -115,7 +121,7 @@ def result_template(op, dtype, shape, framework, nbytes, flops):
         "framework": framework, "status": "ok", "error": None,
         "us": None, "p20": None, "p80": None, "gbps": None, "pct_ceiling": None,
         "bytes": int(nbytes), "flops": int(flops), "buffer_sets": None, "batch": None,
-        "reps": None, "timing": None, "peers": {}, "notes": [],
+        "reps": None, "timing": None, "out": None, "peers": {}, "notes": [],
     }
 
 
@@ -237,10 +243,11 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
         mag = MAGNITUDES.get(spec.reference)
         if mag is not None:
             mag = np.asarray(mag(*host)).reshape(-1)
-        if fw == "jax":  # immutable arrays: cupylab allocates the result
-            calls = [_bind(spec.fn, sets.inputs(fw, j), None) for j in range(nsets)]
-        else:
-            calls = [_bind(spec.fn, sets.inputs(fw, j), sets.out(fw, j)) for j in range(nsets)]
+        # JAX (immutable arrays) and the row-wise operators (whose peers all allocate): cupylab
+        # allocates the result; otherwise it writes the rotating out= buffers, as its peers do
+        res["out"] = fw != "jax" and not rowwise
+        calls = [_bind(spec.fn, sets.inputs(fw, j), sets.out(fw, j) if res["out"] else None)
+                 for j in range(nsets)]
     except Exception as e:  # noqa: BLE001 - out of memory, missing ml_dtypes ...
         session.trace()
         res["status"], res["error"] = "ERROR", f"setup: {_err(e)}"

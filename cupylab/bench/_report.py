@@ -14,7 +14,8 @@ JSON schema ``cupylab-bench/1``::
                   "kernel_block", "bytes", "launch_gpu_us", "launch_host_us", "method"} | null,
       "results": [{"op", "dtype", "shape", "n", "framework", "status": "ok"|"FAILED"|"ERROR",
                    "error", "us", "p20", "p80", "gbps", "pct_ceiling", "bytes", "flops",
-                   "buffer_sets", "batch", "reps", "timing",
+                   "buffer_sets", "batch", "reps", "timing", "out" (optional: whether
+                   cupylab wrote into out= buffers),
                    "peers": {name: null | {"us", "ratio", ...} | {"us": null, "ratio": null,
                                                                   "error"}},
                    "notes": [str]}],
