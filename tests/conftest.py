@@ -138,8 +138,6 @@ def sim(monkeypatch):
 def simulated_gpu(monkeypatch):
     """The ``sim`` fixture's pretend GPU, for ``monkeypatch`` (its patches end with it); on
     leaving, the pretend functions it stored in the library's kernels are taken out again."""
-    from contextlib import nullcontext
-
     import types
 
     from cupylab import _arrays, _kernel, _kfast, _launch, _runtime
@@ -151,7 +149,7 @@ def simulated_gpu(monkeypatch):
     monkeypatch.setattr(_runtime, "pointer_device", lambda ptr: 0)
     monkeypatch.setattr(_runtime, "current_device", lambda: 0)
     monkeypatch.setattr(_runtime, "device_info", lambda d: _SimInfo())
-    monkeypatch.setattr(_launch, "ensure_device", lambda d: nullcontext())
+    monkeypatch.setattr(_launch, "ensure_device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_launch, "current_stream", lambda kind, d: 0x5700)
     monkeypatch.setattr(_launch, "wait_for", lambda c, p, d: rec["waits"].append((c, p)))
     # the lean launch path's own runtime lookups, routed through the patched functions

@@ -163,7 +163,7 @@ def row_shape(spec, shape):
     """The shape a case runs at: for a row-wise operator a 1-D size ``n`` that is a multiple
     of :data:`ROW` means ``n / ROW`` rows of ``ROW`` elements (one row of 2^26 elements is
     not what ``--size 2^26`` asks of a softmax); other shapes are kept as given."""
-    if getattr(spec, "rowwise", False) and len(shape) == 1 and shape[0] % ROW == 0:
+    if _rowwise(spec) and len(shape) == 1 and shape[0] % ROW == 0:
         return (shape[0] // ROW, ROW)
     return shape
 
@@ -224,14 +224,18 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
     res = result_template(spec.name, dtype if in_dts else dt.name, shape, session.framework,
                           nbytes, spec.flops(n))
     fw = session.framework
+    rowwise = _rowwise(spec)
+    # JAX (immutable arrays) and the row-wise operators (whose peers all allocate): cupylab
+    # allocates the result and no out= buffers are made; otherwise cupylab and the peers that
+    # take out= write the same rotating out= buffers
+    res["out"] = fw != "jax" and not rowwise
     sets = None
     try:
         nsets = _operands.buffer_sets(nbytes, session.l2_bytes)
         sets = _operands.OperandSets(session.cp, dt, shape, spec.n_inputs, nsets,
-                                     with_out=fw != "jax", in_dts=in_dts)
+                                     with_out=res["out"], in_dts=in_dts)
         res["buffer_sets"] = nsets
         # row-wise operators (spec.rowwise) are checked on whole rows (last axis)
-        rowwise = getattr(spec, "rowwise", False)
         idx = (_operands.sample_rows(shape, session.rng) if rowwise
                else _operands.sample_indices(n, session.rng))
         host = sets.host_inputs(0, idx)
@@ -243,9 +247,6 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
         mag = MAGNITUDES.get(spec.reference)
         if mag is not None:
             mag = np.asarray(mag(*host)).reshape(-1)
-        # JAX (immutable arrays) and the row-wise operators (whose peers all allocate): cupylab
-        # allocates the result; otherwise it writes the rotating out= buffers, as its peers do
-        res["out"] = fw != "jax" and not rowwise
         calls = [_bind(spec.fn, sets.inputs(fw, j), sets.out(fw, j) if res["out"] else None)
                  for j in range(nsets)]
     except Exception as e:  # noqa: BLE001 - out of memory, missing ml_dtypes ...
@@ -257,7 +258,7 @@ def run_case(session: Session, spec, dtype: str, shape) -> dict:
     try:
         got = calls[0]()
         session.timer.sync()
-        bad = _check(got, idx, ref, dt, shape, _tol_scale(spec, dt), mag, _rowwise(spec))
+        bad = _check(got, idx, ref, dt, shape, _tol_scale(spec, dt), mag, rowwise)
         del got
         if bad:
             res["status"], res["error"] = "FAILED", bad
@@ -324,7 +325,7 @@ def _run_peer(session, spec, peer, sets, idx, ref, mag, dt, shape, us, notes):
     fw = _frameworks.PEER_FRAMEWORK[peer]
     fns = []
     t_start = None
-    use_out = sets.out_pool is not None and fw != "jax"
+    use_out = sets.out_pool is not None  # made where cupylab writes out= (not JAX, not rows)
     wrote_out = False
     if peer == "torch.compile":
         # every case compiles afresh, for its own static shape: without this, the second

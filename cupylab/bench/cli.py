@@ -44,10 +44,10 @@ _METHOD = ("each case checked against the float64 reference (first and last 6553
            "inputs) except for the row-wise operators, whose peers allocate their results: "
            "there cupylab allocates too (\"out\": false); GPU time per call by CUDA events on "
            "the default stream over batches of K back-to-back calls after warm-up, behind a hold "
-           "kernel when launch-bound; median and "
-           "p20/p80 over the repetitions; inputs rotated among buffer sets spanning 2x L2 when "
-           "one call's working set is smaller; JAX peers by wall clock with block_until_ready; "
-           "GB/s from the bytes the operator must move (OpSpec.bytes)")
+           "kernel when launch-bound; median and p20/p80 over the repetitions; inputs rotated "
+           "among buffer sets spanning 2x L2 when one call's working set is smaller; JAX peers "
+           "by wall clock with block_until_ready; GB/s from the bytes the operator must move "
+           "(OpSpec.bytes)")
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
           "int32": "i32", "int64": "i64"}
