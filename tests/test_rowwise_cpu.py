@@ -129,6 +129,19 @@ def test_grid_for():
     assert g == 132 * 8 and parts == g * 2  # a partial row for each of a block's two groups
 
 
+def test_float64_softmax_backwards_take_512_threads_of_four_vectors_to_4096_columns():
+    for op in (10, 11):
+        assert rc.ladder(op, F64) == rc.F64_SBWD_LADDER
+        assert rc.choose(op, F64, 2048, True, 0, 90) == (512, 512, 2, 1)
+        for cols in (2049, 3001, 4096):
+            assert rc.choose(op, F64, cols, True, 0, 90) == (512, 512, 4, 1)
+        assert rc.choose(op, F64, 4097, True, 0, 90) is None
+        assert not rc.sbwd(op, F64, (512, 512, 4, 1))
+    for op in (12, 13):  # the norm backwards keep 1,024 threads (four vectors would spill)
+        assert rc.ladder(op, F64) == rc.BWD_LADDER
+        assert rc.choose(op, F64, 4096, True, 0, 90) == (1024, 1024, 2, 1)
+
+
 def test_softmax_backwards_16bit_stage_both_rows_in_shared_memory():
     for op in (10, 11):
         for dt in (BF16, F16):

@@ -365,9 +365,11 @@ def test_leading_shapes_and_torch_stream():
 # ---- backward ----------------------------------------------------------------------------
 # (4500, 1000): more rows than the norms' persistent backward grid holds at once (1,056 blocks
 # on an H200), so its blocks walk several rows, not all the same number; (77, 500) and (4500,
-# 1000): two rows a block (threads per row 64) for float32 and 16-bit rows respectively
+# 1000): two rows a block (threads per row 64) for float32 and 16-bit rows respectively;
+# (300, 3001): float64 softmax backwards on 512 threads of four vectors, more rows than one
+# wave of SMs holds
 BWD_SHAPES = [(0, 8), (1, 1), (199, 3), (199, 33), (77, 500), (199, 1000), (4500, 1000),
-              (30, 4097), (5, 9000), (3, 20000), (2, 70001)]
+              (300, 3001), (30, 4097), (5, 9000), (3, 20000), (2, 70001)]
 
 
 @pytest.mark.parametrize("dt", FLOATS)

@@ -86,6 +86,11 @@ RMS16_BWD_LADDER = _NV1_BWD + ((512, 512, 2, 1), (1024, 1024, 2, 1))
 #: 1,025-2,048 elements on 256 threads of one vector: 1.06x two vectors on 128.
 #: log_softmax_backward stages only dy and reads y after the reduction: 1.00-1.05x more.
 SBWD16_OPS = (10, 11)
+#: float64 softmax_backward and log_softmax_backward: rows of 2,049-4,096 elements on 512
+#: threads of four vectors (64 registers, two blocks an SM) instead of 1,024 of two (one
+#: block an SM): the same occupancy, but 256 rows of 4,096 fit one wave of 132 SMs x 2
+#: blocks where 1,024-thread blocks took two waves.
+F64_SBWD_LADDER = BWD_LADDER[:-1] + ((512, 512, 4, 1),)
 SBWD16_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
                  (256, 256, 1, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
 GENERIC_THREADS = 512  # GT in cupylab_rowgeneric.cuh
@@ -123,6 +128,8 @@ def ladder(op, dt):
         return SMEM_LADDER
     if dt.itemsize == 2 and op in SBWD16_OPS:
         return SBWD16_LADDER
+    if dt.itemsize == 8 and op in SBWD16_OPS:
+        return F64_SBWD_LADDER
     if dt.itemsize == 2 and op == 12:
         return RMS16_BWD_LADDER
     if dt.itemsize == 2 and op == 13:
