@@ -9,7 +9,7 @@ page)::
     <!-- /table -->
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
-(``sweep.json``, ``sweep_h100.json``, ``fusion.json``, ``overhead.json``, ``medium.json``,
+(``sweep.json``, ``sweep_h100.json``, ``sweep_rowwise_h100.json``, ``fusion.json``, ``overhead.json``, ``medium.json``,
 ``large16.json``, ``mixed.json``, ``rowwise_<x>.json`` (table ``rowwise-<x>``), the A/B pairs
 ``<x>_before.json`` / ``<x>_after.json`` (table ``rowwise-<x>-ab``; underscores in ``<x>`` as
 dashes in both), the Dask example's ``dask.json``, the
@@ -52,6 +52,9 @@ FILES = {  # stored file -> what it holds
     "sweep.json": "every operator x dtype x power of two 2^10..2^28, peers torch eager and CuPy",
     "sweep_h100.json": "the sweep again on an H100, every second power of two, peers JAX too, "
                        "the tree of 2026-12-06 (29425b8)",
+    "sweep_rowwise_h100.json": "the row-wise operators of that sweep again, both sides "
+                               "allocating their results, float64 softmax backwards on 512 "
+                               "threads (the kernels of 8385c83)",
     "fusion.json": "fused_add_mul against torch eager, torch.compile and CuPy",
     "overhead.json": "host cost per call and graph replay",
     "medium.json": "float dtypes at 2^20..2^23, 7 repetitions (a second look at medium sizes)",
@@ -124,6 +127,9 @@ FILES = {  # stored file -> what it holds
     "f32plain_after.json": "float32 row-wise forwards on the plain register kernels, "
                            "branch commit f06ee06 (squashed into main), 2nd round (H100)",
     "f32plain_before.json": "the same cases in the same round, on the pipeline (5462ced)",
+    "f64sbwd_after.json": "float64 softmax backwards on 512 threads of four vectors, "
+                          "branch commit a379f1a (squashed into 8385c83), 2nd round (H100)",
+    "f64sbwd_before.json": "the same cases in the same round, before it (8bafa72)",
 }
 
 
@@ -253,10 +259,13 @@ def t_sweep_ops(data):
     return _drop_empty_last(_report.results_table(keep, markdown=True))
 
 
-def t_sweep_h100(data):
+def _sweep_per_op(name):
     """Per operator: the cases, % of the ceiling at n >= 2^24, torch eager's ratio (least,
-    median, how many under 1) and CuPy's median, of the H100 sweep."""
-    res = _ok(data["sweep_h100.json"])
+    median, how many under 1) and CuPy's median, of the sweep stored as ``name``."""
+    return lambda data: _per_op(_ok(data[name]))
+
+
+def _per_op(res):
     rows = []
     for op in dict.fromkeys(r["op"] for r in res):
         at = [r for r in res if r["op"] == op]
@@ -271,6 +280,17 @@ def t_sweep_h100(data):
     return _table(["op", "cases", "% of ceiling, n >= 2^24", "torch / cupylab: min (case)",
                    "median", "under 1", "CuPy / cupylab, median"], rows,
                   [False, True, True, False, True, True, True])
+
+
+def t_sweep_rowwise_under(data):
+    """The rows of the row-wise H100 sweep under torch eager, least ratio first."""
+    res = [r for r in _ok(data["sweep_rowwise_h100.json"])
+           if _ratio(r) is not None and _ratio(r) < 1]
+    rows = [[r["op"], r["dtype"], _report.shape_str(r["shape"]), f"{r['us']:.2f}",
+             f"{r['peers'][PEER]['us']:.2f}", f"{_ratio(r):.3f}", f"{r['pct_ceiling']:.1f}"]
+            for r in sorted(res, key=_ratio)]
+    return _table(["op", "dtype", "shape", "cupylab us", "torch us", "torch / cupylab",
+                   "% of ceiling"], rows, [False, False, False, True, True, True, True])
 
 
 def _results(name):
@@ -415,7 +435,9 @@ def t_mt(data):
 
 
 TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
-          "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "sweep-h100": t_sweep_h100,
+          "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "sweep-h100": _sweep_per_op("sweep_h100.json"),
+          "sweep-rowwise-h100": _sweep_per_op("sweep_rowwise_h100.json"),
+          "sweep-rowwise-h100-under": t_sweep_rowwise_under,
           "fusion": t_fusion,
           "repeats": t_repeats, "host": t_host, "graphs": t_graphs, "mixed": t_mixed,
           "dask": t_dask, "train": _train(TRAIN),
