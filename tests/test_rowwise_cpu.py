@@ -171,6 +171,20 @@ def test_softmax_backwards_16bit_stage_both_rows_in_shared_memory():
     assert any(n.startswith("cl::row_kernel<") for n in rc.name_expressions("softmax_bwd", F32))
 
 
+def test_16bit_layer_norm_leaves_the_pipeline_beyond_a_few_row_groups_an_sm():
+    # 128-thread classes: the pipeline up to LN16_PIPE_UNITS row groups an SM, then plain
+    units = 132 * rc.LN16_PIPE_UNITS
+    for dt in (BF16, F16):
+        assert rc.pipe_plan(3, dt, (128, 128, 4, 1), units, 132, 232448, 90) is not None
+        assert rc.pipe_plan(3, dt, (128, 128, 4, 1), units + 1, 132, 232448, 90) is None
+        assert rc.pipe_plan(3, dt, (128, 32, 4, 1), 4 * units, 132, 232448, 90) is not None
+        assert rc.pipe_plan(3, dt, (128, 32, 4, 1), 4 * units + 1, 132, 232448, 90) is None
+        # 256-thread classes and the other ops keep it
+        assert rc.pipe_plan(3, dt, (256, 256, 4, 1), 8192, 132, 232448, 90) is not None
+        for op in (0, 1, 2):
+            assert rc.pipe_plan(op, dt, (128, 128, 4, 1), 8192, 132, 232448, 90) is not None
+
+
 def test_pipe_plan(monkeypatch):
     assert rc.pipe_plan(0, BF16, (256, 256, 4, 1), 8192, 132, 232448, 90) == (528, 49152)
     assert rc.pipe_plan(1, BF16, (128, 32, 4, 1), 32768, 132, 232448, 90) == (1056, 24576)

@@ -608,13 +608,15 @@ def test_rms_weight_alignment(rows, cols, dt, layout, wshift):
     check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, hw, 1e-6)[0], dt, 2, "add y")
 
 
-@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("layout", ["contig", "offset"])
 @pytest.mark.parametrize("rows,cols", [(20000, 33), (3000, 1000), (1500, 8192), (70001, 5),
                                        (300, 40000)])
 def test_many_rows_per_block(rows, cols, dt, layout):
     """Persistent grids: each block (or cluster) walks several rows through the cp.async
-    pipeline; offset views give rows whose heads differ (partial 16-byte words). 300 x 40000:
+    pipeline (16-bit layer_norm: the plain kernel at 20000 x 33 and 3000 x 1000, more row groups
+    than LN16_PIPE_UNITS an SM); offset views give rows whose heads differ (partial 16-byte
+    words). 300 x 40000:
     more cluster rows than fit on the GPU at once (16-bit rows on 4-block clusters held in
     shared memory, float32 rows on 8-block clusters)."""
     rng = np.random.default_rng(rows)

@@ -114,6 +114,13 @@ PIPE_OPS = (0, 1, 2, 3, 5, 10, 11, 12, 13)
 #: at 128, and beyond 0.94-1.03x (2,048 and 8,192 rows of 4,096, 8192^2, 32768 x 1024,
 #: 65536 x 256; H100, docs/tuning.md "Rows that fit one block, few of them")
 PIPE16_FEW_OPS = (4,)
+#: 16-bit layer_norm on classes of up to 128 threads (rows up to 4,096 elements) takes the
+#: plain kernel beyond LN16_PIPE_UNITS row groups an SM (CUPYLAB_ROWWISE_PIPELINE=0 against
+#: the pipeline, H100: 1.04-1.07x at 1024 x 4096, 4096 x 4096, 2048 x 2048, 1.02-1.03x at
+#: 16384 x 4096; but 0.91-0.93x at 256 rows of 4,096, and 0.90-0.94x at 8192 x 8192, a
+#: 256-thread class)
+LN16_PLAIN_OPS = (3,)
+LN16_PIPE_UNITS = 4
 TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
 PIPE_STAGES = 3  # PIPE_STAGES in cupylab_rowwise.cuh
 GROUPS = {"softmax": (0, 1), "norm": (2, 3, 4), "ce": (5,), "softmax_bwd": (10, 11),
@@ -590,6 +597,8 @@ def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
         return None
     if op in SBWD16_OPS and units > sm_count * per_sm:
         return None  # every row at once only: beyond, row_sbwd_kernel (SBWD16_LADDER)
+    if op in LN16_PLAIN_OPS and th <= 128 and units > sm_count * LN16_PIPE_UNITS:
+        return None
     return max(1, min(units, sm_count * per_sm)), smem
 
 
