@@ -130,6 +130,9 @@ FILES = {  # stored file -> what it holds
     "f64sbwd_after.json": "float64 softmax backwards on 512 threads of four vectors, "
                           "branch commit a379f1a (squashed into 8385c83), 2nd round (H100)",
     "f64sbwd_before.json": "the same cases in the same round, before it (8bafa72)",
+    "ln16plain_after.json": "16-bit layer_norm on the plain kernel beyond 4 row groups an SM, "
+                            "branch commit 8802f5d (squashed into c6328e6), 1st round (H100)",
+    "ln16plain_before.json": "the same cases in the same round, before it (899c832)",
 }
 
 

@@ -118,7 +118,7 @@ PIPE16_FEW_OPS = (4,)
 #: plain kernel beyond LN16_PIPE_UNITS row groups an SM (CUPYLAB_ROWWISE_PIPELINE=0 against
 #: the pipeline, H100: 1.04-1.07x at 1024 x 4096, 4096 x 4096, 2048 x 2048, 1.02-1.03x at
 #: 16384 x 4096; but 0.91-0.93x at 256 rows of 4,096, and 0.90-0.94x at 8192 x 8192, a
-#: 256-thread class)
+#: 256-thread class; the change's A/B: docs/tuning.md "16-bit layer_norm beyond a few rows an SM")
 LN16_PLAIN_OPS = (3,)
 LN16_PIPE_UNITS = 4
 TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
