@@ -87,9 +87,11 @@ RMS16_BWD_LADDER = _NV1_BWD + ((512, 512, 2, 1), (1024, 1024, 2, 1))
 #: log_softmax_backward stages only dy and reads y after the reduction: 1.00-1.05x more.
 SBWD16_OPS = (10, 11)
 #: float64 softmax_backward and log_softmax_backward: rows of 2,049-4,096 elements on 512
-#: threads of four vectors (64 registers, two blocks an SM) instead of 1,024 of two (one
-#: block an SM): the same occupancy, but 256 rows of 4,096 fit one wave of 132 SMs x 2
-#: blocks where 1,024-thread blocks took two waves.
+#: threads of four vectors (64 registers, no spill, two blocks an SM) instead of 1,024 of two
+#: (one block an SM): the same resident threads, 256 rows of 4,096 in one wave of 132 SMs x 2
+#: blocks instead of two, four loads of each row in flight a thread. H100 A/B: 1.10-1.51x up
+#: to 1,024 rows of 4,096 and at 2,049 and 3,000 columns, 0.98-1.05x from 4,096 rows
+#: (docs/tuning.md "float64 softmax backwards on 512 threads of four vectors").
 F64_SBWD_LADDER = BWD_LADDER[:-1] + ((512, 512, 4, 1),)
 SBWD16_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
                  (256, 256, 1, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
@@ -115,10 +117,11 @@ PIPE_OPS = (0, 1, 2, 3, 5, 10, 11, 12, 13)
 #: 65536 x 256; H100, docs/tuning.md "Rows that fit one block, few of them")
 PIPE16_FEW_OPS = (4,)
 #: 16-bit layer_norm on classes of up to 128 threads (rows up to 4,096 elements) takes the
-#: plain kernel beyond LN16_PIPE_UNITS row groups an SM (CUPYLAB_ROWWISE_PIPELINE=0 against
-#: the pipeline, H100: 1.04-1.07x at 1024 x 4096, 4096 x 4096, 2048 x 2048, 1.02-1.03x at
-#: 16384 x 4096; but 0.91-0.93x at 256 rows of 4,096, and 0.90-0.94x at 8192 x 8192, a
-#: 256-thread class; the change's A/B: docs/tuning.md "16-bit layer_norm beyond a few rows an SM")
+#: plain kernel beyond LN16_PIPE_UNITS row groups an SM. H100 A/B against the pipeline:
+#: 1.06-1.09x at 4096 x 4096, 1.03-1.05x at 2048 x 2048, 1.01-1.06x at 768 and 1,024 rows of
+#: 4,096, 0.99-1.04x at 16384 x 4096 and 32768 x 1024; the pipeline stays faster at 256 rows
+#: of 4,096 (0.91-0.93x on the plain kernel) and at 8192 x 8192, a 256-thread class
+#: (0.90-0.94x) (docs/tuning.md "16-bit layer_norm beyond a few rows an SM").
 LN16_PLAIN_OPS = (3,)
 LN16_PIPE_UNITS = 4
 TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
