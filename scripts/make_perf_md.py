@@ -9,7 +9,8 @@ page)::
     <!-- /table -->
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
-(``sweep.json``, ``sweep_h100.json``, ``sweep_rowwise_h100.json``, ``fusion.json``, ``overhead.json``, ``medium.json``,
+(``sweep.json``, ``sweep_h100.json``, ``sweep_rowwise_h100.json``, ``fusion.json``,
+``overhead.json``, ``medium.json``,
 ``large16.json``, ``mixed.json``, ``rowwise_<x>.json`` (table ``rowwise-<x>``), the A/B pairs
 ``<x>_before.json`` / ``<x>_after.json`` (table ``rowwise-<x>-ab``; underscores in ``<x>`` as
 dashes in both), the Dask example's ``dask.json``, the
@@ -438,7 +439,8 @@ def t_mt(data):
 
 
 TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
-          "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops, "sweep-h100": _sweep_per_op("sweep_h100.json"),
+          "sweep-large": t_sweep_large, "sweep-ops": t_sweep_ops,
+          "sweep-h100": _sweep_per_op("sweep_h100.json"),
           "sweep-rowwise-h100": _sweep_per_op("sweep_rowwise_h100.json"),
           "sweep-rowwise-h100-under": t_sweep_rowwise_under,
           "fusion": t_fusion,
