@@ -110,8 +110,8 @@ COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_
 #: but rms_norm there 0.955x (14.0 -> 14.7 us; the pipeline's rms_norm edge is 512-1,024 rows
 #: of 4,096 only, it loses at 1024 x 2048 and 2048 x 2048), H100, docs/tuning.md "float32
 #: rows without the pipeline".
-PIPE_OPS = (0, 1, 2, 3, 5, 10, 11, 12, 13)
-#: 16-bit add_rms_norm takes the pipelined kernel only while each SM gets at most one
+PIPE_OPS = (0, 1, 2, 3, 4, 5, 10, 11, 12, 13)
+#: 16-bit add_rms_norm (in PIPE_OPS) takes the pipelined kernel only while each SM gets at most one
 #: block's rows: there it was 1.06-1.13x the plain kernel at 16 rows of 4,096 and 1.47-1.52x
 #: at 128, and beyond 0.94-1.03x (2,048 and 8,192 rows of 4,096, 8192^2, 32768 x 1024,
 #: 65536 x 256; H100, docs/tuning.md "Rows that fit one block, few of them")
@@ -157,7 +157,7 @@ def sbwd(op, dt, cls):
 def piped(op, dt):
     """Whether ``op`` on ``dt`` has the persistent pipelined kernels (row_pipe_kernel)."""
     # float32 and float64: the plain register kernels (see PIPE_OPS)
-    return dt.itemsize == 2 and (op in PIPE_OPS or op in PIPE16_FEW_OPS)
+    return dt.itemsize == 2 and op in PIPE_OPS
 
 
 def pipelined(op, dt, cls):
@@ -583,7 +583,8 @@ def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
     None when it does not apply (other ops, compute capability below 8.0 (no ``cp.async``),
     too little shared memory, the ``CUPYLAB_ROWWISE_PIPELINE=0`` switch, classes without one:
     :func:`pipelined`; :data:`PIPE16_FEW_OPS` beyond one block's rows an SM;
-    :data:`SBWD16_OPS` beyond the rows the grid holds at once). Persistent
+    :data:`SBWD16_OPS` beyond the rows the grid holds at once; :data:`LN16_PLAIN_OPS` on
+    classes of up to 128 threads beyond :data:`LN16_PIPE_UNITS` row groups an SM). Persistent
     grids never exceed what is resident at once (an SM's shared memory is the per-block
     opt-in maximum plus the 1 KiB the driver reserves: 228 KiB on sm_90, 164 KiB on sm_80)."""
     if cls is None or cc < 80 or not pipelined(op, dt, cls):
