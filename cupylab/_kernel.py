@@ -109,8 +109,9 @@ class Kernel:
     module : KernelModule
     """
 
+    # __dict__: the binder's launch_1d is installed there (see _launch)
     __slots__ = ("name", "signature", "module", "_k", "_params", "_n", "_smem_set", "_binders",
-                 "_lean")
+                 "_lean", "__dict__")
 
     def __init__(self, module, name_expression, signature, program):
         self.name = name_expression
@@ -291,6 +292,17 @@ class Kernel:
                 and 0 <= shared_mem <= _SMEM_DEFAULT_MAX
                 and go(args, stream, n, 0, block, shared_mem)):  # the lean path: _kfast
             return
+        self._launch_1d_full(n, args, block, shared_mem, stream)
+
+    def _launch_1d_slow(self, n, given, rest, block, shared_mem, stream):
+        """``launch_1d`` for a call the installed binder did not take (see :meth:`_launch`):
+        ``given`` holds one entry per parameter, :data:`cupylab._kfast.ABSENT` where the call
+        gave none, ``rest`` the positional arguments beyond."""
+        args = given + rest if given[-1] is not _kfast.ABSENT else tuple(
+            a for a in given if a is not _kfast.ABSENT)
+        self._launch_1d_full(n, args, block, shared_mem, stream)
+
+    def _launch_1d_full(self, n, args, block, shared_mem, stream):
         if type(n) is not int or n < 0:
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
                 raise ValueError(f"{self.name}: n must be a non-negative int (got {n!r})")
@@ -310,15 +322,29 @@ class Kernel:
         binder = self._binders.get(key, _UNSEEN)
         if binder is _UNSEEN:
             self._launch_checked(args, grid, block, smem, stream, n1d)
-            binder = self._binders[key] = _kfast.make_binder(self._params, args, self._k,
-                                                              _GRID_1D)
+            binder = self._binders[key] = _kfast.make_binder(
+                self._params, args, self._k, _GRID_1D, self._launch_1d_slow,
+                (_MAX_BLOCK, _SMEM_DEFAULT_MAX))
             if binder is not None:
-                self._lean = binder.go
+                self._use(binder)
         elif binder is None or not self._launch_bound(binder, args, grid, block, smem, stream,
                                                       n1d):
             self._launch_checked(args, grid, block, smem, stream, n1d)
         else:
-            self._lean = binder.go
+            self._use(binder)
+
+    def _use(self, binder):
+        """Make ``binder``'s pattern the one tried first: its ``go`` for :meth:`__call__`, and
+        its ``launch_1d`` (one frame for the whole call) installed in place of the method,
+        so that ``kernel.launch_1d(...)`` calls it directly; a call it does not take goes on
+        to :meth:`_launch_1d_slow`."""
+        self._lean = binder.go
+        fn = binder.launch_1d
+        if fn is not None and self.__dict__.get("launch_1d") is not fn:
+            fn.__doc__ = Kernel.launch_1d.__doc__
+            fn.__qualname__ = "Kernel.launch_1d"
+            fn.__signature__ = _launch_1d_signature()  # what inspect and help() show
+            self.__dict__["launch_1d"] = fn
 
     def _launch_bound(self, binder, args, grid, block, smem, stream, n1d):
         """The lean path (:mod:`cupylab._kfast`): launch with a binder of this argument
@@ -398,6 +424,21 @@ class Kernel:
         driver.funcSetAttribute(self._k.function(device),
                                 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
         self._smem_set[device] = smem
+
+
+_signature = None
+
+
+def _launch_1d_signature():
+    """The signature of the bound method :meth:`Kernel.launch_1d` (``inspect`` is imported
+    on the first call, not with the package)."""
+    global _signature
+    if _signature is None:
+        import inspect  # noqa: PLC0415
+
+        sig = inspect.signature(Kernel.launch_1d)
+        _signature = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return _signature
 
 
 def _address(p, a):

@@ -38,13 +38,15 @@ import sys
 
 from . import _arrays, _launch, _runtime
 
-__all__ = ["make_binder", "EwPattern", "MISS"]
+__all__ = ["make_binder", "EwPattern", "MISS", "ABSENT"]
 
 MISS = object()
+#: a binder's ``launch_1d``: no argument given for this parameter
+ABSENT = object()
 _ADDR_END = 1 << 64
 
 
-def make_binder(params, args, kernel, grid_1d):
+def make_binder(params, args, kernel, grid_1d, slow=None, limits=(1024, 48 * 1024)):
     """The binder of the pattern of ``args``, which a full-path launch has just accepted: a
     function ``bind(args, stream)`` that returns ``(values, device, stream handle)`` for a
     launch of ``args``, or ``None`` to take the full path. ``None`` instead of a binder when
@@ -58,6 +60,16 @@ def make_binder(params, args, kernel, grid_1d):
     ``True``, or ``None``, having launched nothing, where ``bind`` would, or where the kernel
     has no function or parameter buffer yet on this device and thread (the full path makes
     them). One Python call per launch instead of three.
+
+    With ``slow`` (the kernel's own ``launch_1d`` without the lean attempt, called as
+    ``slow(n, given, rest, block, shared_mem, stream)``), the binder also has
+    ``bind.launch_1d``: a function with :meth:`~cupylab.kernels.Kernel.launch_1d`'s
+    signature that does the call's whole work in one frame: the launch configuration's checks
+    (``n > 0``, ``block`` up to ``limits[0]`` threads, ``shared_mem`` up to ``limits[1]``
+    bytes, one argument per parameter), the pattern's checks and the launch. Anything else
+    goes to ``slow`` with the positional arguments as given (``given``: one per parameter,
+    :data:`ABSENT` where none was; ``rest``: those beyond). The kernel installs it as its
+    ``launch_1d`` while the pattern repeats, saving the method's frame and the call of ``go``.
 
     The binder is compiled for the pattern: straight-line code with one block per parameter
     (no loop, no call per array), the pattern's types, dtypes and converters bound as
@@ -107,18 +119,21 @@ def make_binder(params, args, kernel, grid_1d):
         else:
             env[f"A{i}"] = _arrays._np_dtypes  # NumPy dtypes: equal ones need not be identical
             dt = f"t is not W{i} and t != W{i}" if p.dtype is not None else f"t not in A{i}"
+            # a fixed dtype's itemsize is a constant (W's: equal dtypes have equal itemsizes)
+            isz = str(a.dtype.itemsize) if p.dtype is not None else "t.itemsize"
             body += [f"if type({v}) is not T{i}:",
                      "    return None",
                      f"t = {v}.dtype",
                      f"if {dt}:",
                      "    return None",
-                     f"if not {v}._c_contiguous and any(b % t.itemsize for b in {v}.strides):",
+                     f"if not {v}._c_contiguous and any(b % {isz} for b in {v}.strides):",
                      "    return None",
                      f"m = {v}.data",
                      f"d{i} = m.device_id",
-                     f"v{i} = m.ptr",
-                     f"if v{i} % t.itemsize:",  # a byte-offset .view(): the full path refuses
-                     "    return None"]
+                     f"v{i} = m.ptr"]
+            if isz != "1":
+                body += [f"if v{i} % {isz}:",  # a byte-offset .view(): the full path refuses
+                         "    return None"]
         values.append(f"v{i}")
         devices.append(f"d{i}")
     if not devices:
@@ -126,13 +141,19 @@ def make_binder(params, args, kernel, grid_1d):
     d0 = devices[0]
     if len(devices) > 1:
         body += [f"if {' or '.join(f'{d} != {d0}' for d in devices[1:])}:", "    return None"]
-    body += [f"if (_k._get_device or _k._init_device())() != {d0}:",
+    # the runtime's functions, looked up now (a full-path launch has just run)
+    env["GD"] = _get_device or _init_device()
+    if torch_seen:
+        env["TS"] = _torch_raw or _init_torch()
+    else:
+        env["CS"] = _cupy_current or _init_cupy()
+    body += [f"if GD() != {d0}:",
              "    return None",
              "if stream is not None:",
              "    s = _launch.resolve_stream(stream)",
-             "else:",  # torch's current stream when a tensor is among the arguments
-             f"    s = (_k._torch_raw or _k._init_torch())({d0})" if torch_seen else
-             "    s = (_k._cupy_current or _k._init_cupy())().ptr"]
+             "else:",  # torch's current stream when a tensor is among the arguments; CuPy's
+             # asked for the device found above, which it would otherwise look up again
+             f"    s = TS({d0})" if torch_seen else f"    s = CS({d0}).ptr"]
     head = f"        {''.join(f'a{p.index}, ' for p in params)}= args\n"
     checks = "".join(f"        {line}\n" for line in body)
     miss = ("    except Exception:  # anything odd: the full path checks and explains\n"
@@ -150,14 +171,50 @@ def make_binder(params, args, kernel, grid_1d):
             + "    if f is None or g is None or L is None:\n"
             + "        return None\n"
             + "    if n:\n"
-            + "        g = min(-(-n // block), g)\n"
+            + "        q = -(-n // block)\n"
+            + "        if q < g:\n"
+            + "            g = q\n"
             + f"    PACK(bp[0], 0, {', '.join(values)})\n"
             + "    L(f, g, 1, 1, block, 1, 1, smem, s, bp[2], 0)\n"
             + "    return True\n")
+    if slow is not None:
+        src += _launch_1d_source(params, body, values, d0, limits)
+        env.update(SLOW=slow, ABSENT=ABSENT)
     exec(compile(src, "<cupylab._kfast binder>", "exec"), env)  # noqa: S102 - see docstring
     bind = env["bind"]
     bind.go = env["go"]
+    bind.launch_1d = env.get("launch_1d")
     return bind
+
+
+def _launch_1d_source(params, body, values, d0, limits):
+    """The source of a binder's ``launch_1d`` (see :func:`make_binder`): the pattern's checks
+    (``body``, whose misses ``return None``) in a loop left by ``break`` on a miss, so that
+    the full path is called outside the ``try`` (its errors, and a driver error, are the
+    caller's)."""
+    given = "".join(f"a{p.index}, " for p in params)
+    last = f"a{params[-1].index}"
+    cfg = (f"rest or {last} is ABSENT or type(n) is not int or n <= 0 or type(block) is not int "
+           f"or not 0 < block <= {limits[0]} or type(shared_mem) is not int "
+           f"or not 0 <= shared_mem <= {limits[1]}")
+    checks = [f"if {cfg}:", "    break"]
+    checks += [line.replace("return None", "break") for line in body]
+    checks += [f"f = FN.get({d0})", "bp = TLS.bp", f"g = G.get({d0})",
+               "ok = f is not None and g is not None", "break"]
+    return (f"def launch_1d(n, {''.join(f'a{p.index}=ABSENT, ' for p in params)}/, *rest, "
+            "block=256, shared_mem=0, stream=None):\n"
+            "    ok = False\n"
+            "    try:\n"
+            "        while True:\n"
+            + "".join(f"            {line}\n" for line in checks)
+            + "    except Exception:  # anything odd: the full path checks and explains\n"
+            "        ok = False\n"
+            "    L = _launch._driver_launch\n"
+            "    if not ok or L is None:\n"
+            f"        return SLOW(n, ({given}), rest, block, shared_mem, stream)\n"
+            f"    PACK(bp[0], 0, {', '.join(values)})\n"
+            "    q = -(-n // block)\n"
+            "    L(f, q if q < g else g, 1, 1, block, 1, 1, shared_mem, s, bp[2], 0)\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,7 +223,7 @@ def make_binder(params, args, kernel, grid_1d):
 _get_device = None        # () -> the current device (cupy.cuda.runtime.getDevice)
 _torch_raw = None         # (device) -> torch's current stream handle on it
 _torch_empty_like = None  # torch.empty_like
-_cupy_current = None      # () -> CuPy's current stream object (.ptr is the handle)
+_cupy_current = None      # (device_id=-1) -> CuPy's current stream object (.ptr is the handle)
 _cupy_ndarray = None      # cupy.ndarray: what cupy.empty(shape, dtype) calls
 
 
@@ -209,7 +266,8 @@ class EwPattern:
 
     def __init__(self, ek, tp, torch):
         self._ek, self._torch = ek, torch
-        # framework dtype -> (launch kernel, converters, whats, most, itemsize, complex)
+        # framework dtype -> (launch kernel, converters, whats, most, itemsize, complex,
+        # the kernel's functions by device, its thread-local buffers, its packer)
         self._dtypes = {}
         env = {"TT": tp, "D": self._dtypes, "MISS": MISS, "_k": sys.modules[__name__],
                "_launch": _launch, "B": ek.block}
@@ -239,10 +297,12 @@ class EwPattern:
         # the element count must fit the size parameter's C type, and the grid CUDA's limit
         most = min(ps[ek._size].convert.range[1], ek._max_n)
         x = args[ek._ptr.index(True)]
-        self._dtypes[x.dtype] = (kernel._k, tuple(ps[i].convert for i in scal),
+        k = kernel._k
+        self._dtypes[x.dtype] = (k, tuple(ps[i].convert for i in scal),
                                  tuple(ps[i].what for i in scal), most,
                                  x.element_size() if self._torch else x.dtype.itemsize,
-                                 self._torch and "complex" in str(x.dtype))  # conj bits to read
+                                 self._torch and "complex" in str(x.dtype),  # conj bits to read
+                                 k._fns, k._tls, k._struct.pack_into)  # the launch, inlined
 
 
 def _ew_source(ek, torch):
@@ -254,13 +314,14 @@ def _ew_source(ek, torch):
     scalars = [j for j, p in enumerate(ek._ptr) if not p]
     x = f"a{arrays[0]}"
     if torch:
+        # no is_cuda reads: a CPU tensor's device is -1, never the current one
         same = ("(type({a}) is not TT or {a}.dtype is not fdt or {a}.requires_grad "
                 "or not {a}.is_contiguous() or {a}.is_neg() or (info[5] and {a}.is_conj()) "
-                "or not {a}.is_cuda or {a}.get_device() != dev or {a}.shape != shape)")
+                "or {a}.get_device() != dev or {a}.shape != shape)")
         head = [f"if type({x}) is not TT:", "    return MISS",
                 f"fdt = {x}.dtype",
                 "info = D.get(fdt)",
-                f"if info is None or not {x}.is_cuda:", "    return MISS",
+                "if info is None:", "    return MISS",
                 f"n = {x}.numel()",
                 f"shape = {x}.shape",
                 f"dev = {x}.get_device()",
@@ -304,6 +365,12 @@ def _ew_source(ek, torch):
         first = ["p{j} = m.ptr", "if p{j} % info[4]:", "    return MISS"]
     body = head + ["if not 0 < n <= info[3]:", "    return MISS",
                    "if (_k._get_device or _k._init_device())() != dev:", "    return MISS",
+                   # the kernel's function here and this thread's parameter buffer (the full
+                   # path makes them), read before anything is allocated
+                   "f = info[6].get(dev)",
+                   "bp = info[7].bp",
+                   "L = _launch._driver_launch",
+                   "if f is None or L is None:", "    return MISS",
                    "if out is None:"] + [f"    {line}" for line in alloc + ["nb = 0"]]
     body += ["else:"] + [f"    {line}" for line in given + ["o = out"]]
     body += ["optr = o.data_ptr()"] if torch else ["optr = o.data.ptr",
@@ -328,5 +395,6 @@ def _ew_source(ek, torch):
             + "".join(f"        {line}\n" for line in body)
             + "    except Exception:  # anything odd: the full path checks and explains\n"
             + "        return MISS\n"
-            + f"    info[0].launch(dev, -(-n // B), B, s, ({', '.join(values)},))\n"
+            + f"    info[8](bp[0], 0, {', '.join(values)})\n"  # Kernel.launch, inlined
+            + "    L(f, -(-n // B), 1, 1, B, 1, 1, 0, s, bp[2], 0)\n"
             + "    return o\n")

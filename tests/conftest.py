@@ -155,8 +155,9 @@ def simulated_gpu(monkeypatch):
     # the lean launch path's own runtime lookups, routed through the patched functions
     monkeypatch.setattr(_kfast, "_get_device", lambda: _runtime.current_device())
     monkeypatch.setattr(_kfast, "_torch_raw", lambda d: _launch.current_stream("torch", d))
-    monkeypatch.setattr(_kfast, "_cupy_current", lambda: types.SimpleNamespace(
-        ptr=_launch.current_stream("cupy", _runtime.current_device())))
+    monkeypatch.setattr(_kfast, "_cupy_current", lambda device_id=-1: types.SimpleNamespace(
+        ptr=_launch.current_stream("cupy", _runtime.current_device() if device_id < 0
+                                   else device_id)))
 
     handles = {}  # pretend CUfunction -> the kernel
     planted = []  # (kernel, device) whose pretend function this fixture stored

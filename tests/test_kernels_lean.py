@@ -269,6 +269,52 @@ def test_a_new_thread_takes_the_binder_once_to_make_its_parameter_buffer(fw, sim
     assert fw.launches[-2] == fw.launches[-1]
 
 
+def test_the_installed_launch_1d_takes_every_other_call_to_the_method(fw, sim):
+    # a bound pattern installs its one-frame launch_1d on the kernel: it launches directly,
+    # and passes any call it does not take to the method, which checks and explains
+    import inspect
+
+    k = mod()["vadd"]
+    sig = inspect.signature(k.launch_1d)
+    x, y, o = fw.c(), fw.c(), fw.c()
+    tx, ty, to = fw.t(), fw.t(), fw.t()
+    k.launch_1d(8, x, y, o, 8)
+    assert "launch_1d" in vars(k) and fw.full == 1
+    assert inspect.signature(k.launch_1d) == sig
+    assert k.launch_1d.__doc__ == Kernel.launch_1d.__doc__
+    direct = sim["direct"]
+    for a in ((x, y, o), (tx, ty, to), (x, y, o), (tx, ty, to)):  # alternating patterns
+        k.launch_1d(16, *a, 16, block=64)
+        assert packed(k, fw.launches[-1]) == k.pack(*a, 16)
+        assert fw.launches[-1]["grid"] == (1, 1, 1) and fw.launches[-1]["block"] == (64, 1, 1)
+    # the first call went directly; each switch of pattern through the method's bound path
+    assert fw.full == 2 and sim["direct"] == direct + 1
+    k.launch_1d(16, tx, ty, to, 16, block=64, shared_mem=1024)  # the pattern installed last
+    assert fw.launches[-1]["smem"] == 1024 and sim["direct"] == direct + 2
+    x, y, o = tx, ty, to
+    n = len(fw.launches)
+    for bad, exc, match in [((8, x, y, o), TypeError, r"takes 4 arguments \(got 3\)"),
+                            ((8, x, y, o, 8, 9), TypeError, r"takes 4 arguments \(got 5\)"),
+                            ((-1, x, y, o, 8), ValueError, "non-negative"),
+                            ((True, x, y, o, 8), ValueError, "non-negative"),
+                            ((8.0, x, y, o, 8), ValueError, "non-negative")]:
+        with pytest.raises(exc, match=match):
+            k.launch_1d(*bad)
+    with pytest.raises(TypeError, match="blok"):
+        k.launch_1d(8, x, y, o, 8, blok=64)
+    with pytest.raises(ValueError, match="1-D block"):
+        k.launch_1d(8, x, y, o, 8, block=(32, 2))
+    with pytest.raises(ValueError, match="block dimensions"):
+        k.launch_1d(8, x, y, o, 8, block=0)
+    assert len(fw.launches) == n  # nothing launched
+    k.launch_1d(0, x, y, o, 0)  # nothing to do: the method's path, nothing launched
+    full, direct = fw.full, sim["direct"]
+    k.launch_1d(8, x, y, o, 8, block=1024)  # the largest block, on the installed path
+    assert len(fw.launches) == n + 1 and fw.launches[-1]["block"] == (1024, 1, 1)
+    Kernel.launch_1d(k, 8, x, y, o, 8)  # the method itself still works
+    assert len(fw.launches) == n + 2 and fw.full == full and sim["direct"] == direct + 2
+
+
 def test_binder_scalars_untyped_pointers_and_addresses(fw):
     k = mod()["mix"]
     raw, d = fw.t(dtype="int32"), fw.t(dtype="float64")
@@ -449,6 +495,10 @@ def test_elementwise_errors_after_warm_up(fw, kind):
             e(a, fw.t((20, 30), requires_grad=True), 2.0)
         with pytest.raises(ValueError, match="different GPUs"):
             e(a, fw.t((20, 30), device=1), 2.0)
+        cpu = fw.t((20, 30), device=-1)  # the lean path reads no is_cuda: device -1 misses
+        for args, kw in (((a, cpu, 2.0), {}), ((cpu, b, 2.0), {}), ((a, b, 2.0), {"out": cpu})):
+            with pytest.raises(TypeError, match="host"):
+                e(*args, **kw)
     else:
         with pytest.raises(ValueError, match="C-contiguous with the output's shape"):
             e(a, fw.c((20, 30), strides=(4, 80)), 2.0)  # a transposed view
