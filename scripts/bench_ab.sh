@@ -10,7 +10,10 @@
 #   git archive REV_B | (mkdir -p out/b && tar -x -C out/b)
 #   git rev-parse --short REV_A > out/a/.rev; git rev-parse --short REV_B > out/b/.rev
 #   scripts/bench_ab.sh OUTDIR out/a out/b rms_norm -d bfloat16 -s 32768x1024 --peers torch -r 5 -q
+#   ROUNDS=3 scripts/bench_ab.sh OUTDIR out/a out/b overhead      # host cost: `cupylab-bench overhead`
 #
+# Arguments after the trees go to `cupylab-bench run`, or to `cupylab-bench overhead` when the
+# first of them is `overhead`.
 # A GPU machine without git gets the trees carried with the checkout. PYTHON picks the
 # interpreter (default python3); ROUNDS the rounds. Exit code: the largest of the runs'.
 set -u
@@ -23,6 +26,7 @@ shift 3
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$OUT"  # not from a checkout: `python -m` would import the cupylab of the current folder
 PY=${PYTHON:-python3}
+if [ "$1" = overhead ]; then cmd=("$@"); else cmd=(run "$@"); fi
 worst=0
 for k in $(seq 1 "${ROUNDS:-2}"); do
     for arm in a b; do
@@ -33,7 +37,7 @@ for k in $(seq 1 "${ROUNDS:-2}"); do
         rev=$(cat "$tree/.rev" 2>/dev/null || echo "tree:$(basename "$tree")")
         CUPYLAB_GIT_REV=$rev CUPYLAB_CACHE_DIR=$OUT/cache_$arm \
             PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} \
-            "$PY" -m cupylab.bench run "$@" --json "$OUT/${arm}_$k.json" > "$OUT/${arm}_$k.log" 2>&1
+            "$PY" -m cupylab.bench "${cmd[@]}" --json "$OUT/${arm}_$k.json" > "$OUT/${arm}_$k.log" 2>&1
         rc=$?
         echo "round $k, $arm ($tree): rc=$rc"
         grep -vE "^\s*$" "$OUT/${arm}_$k.log" | tail -n 40
