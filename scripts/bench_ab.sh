@@ -18,7 +18,7 @@
 # interpreter (default python3); ROUNDS the rounds. Exit code: the largest of the runs'.
 set -u
 if [ $# -lt 4 ]; then
-    echo "usage: $0 OUTDIR TREE_A TREE_B BENCH-RUN-ARGS..." >&2
+    echo "usage: $0 OUTDIR TREE_A TREE_B [overhead] BENCH-ARGS..." >&2
     exit 2
 fi
 OUT=$1 A=$(cd "$2" && pwd) B=$(cd "$3" && pwd)
