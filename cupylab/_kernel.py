@@ -326,6 +326,10 @@ class Kernel:
                 self._params, args, self._k, _GRID_1D, self._launch_1d_slow,
                 (_MAX_BLOCK, _SMEM_DEFAULT_MAX))
             if binder is not None:
+                fn = binder.launch_1d  # what inspect and help() show of it: the method's
+                fn.__doc__ = Kernel.launch_1d.__doc__
+                fn.__qualname__ = "Kernel.launch_1d"
+                fn.__signature__ = _launch_1d_signature()
                 self._use(binder)
         elif binder is None or not self._launch_bound(binder, args, grid, block, smem, stream,
                                                       n1d):
@@ -339,12 +343,7 @@ class Kernel:
         so that ``kernel.launch_1d(...)`` calls it directly; a call it does not take goes on
         to :meth:`_launch_1d_slow`."""
         self._lean = binder.go
-        fn = binder.launch_1d
-        if fn is not None and self.__dict__.get("launch_1d") is not fn:
-            fn.__doc__ = Kernel.launch_1d.__doc__
-            fn.__qualname__ = "Kernel.launch_1d"
-            fn.__signature__ = _launch_1d_signature()  # what inspect and help() show
-            self.__dict__["launch_1d"] = fn
+        self.__dict__["launch_1d"] = binder.launch_1d
 
     def _launch_bound(self, binder, args, grid, block, smem, stream, n1d):
         """The lean path (:mod:`cupylab._kfast`): launch with a binder of this argument

@@ -46,7 +46,7 @@ ABSENT = object()
 _ADDR_END = 1 << 64
 
 
-def make_binder(params, args, kernel, grid_1d, slow=None, limits=(1024, 48 * 1024)):
+def make_binder(params, args, kernel, grid_1d, slow, limits):
     """The binder of the pattern of ``args``, which a full-path launch has just accepted: a
     function ``bind(args, stream)`` that returns ``(values, device, stream handle)`` for a
     launch of ``args``, or ``None`` to take the full path. ``None`` instead of a binder when
@@ -61,22 +61,23 @@ def make_binder(params, args, kernel, grid_1d, slow=None, limits=(1024, 48 * 102
     has no function or parameter buffer yet on this device and thread (the full path makes
     them). One Python call per launch instead of three.
 
-    With ``slow`` (the kernel's own ``launch_1d`` without the lean attempt, called as
-    ``slow(n, given, rest, block, shared_mem, stream)``), the binder also has
-    ``bind.launch_1d``: a function with :meth:`~cupylab.kernels.Kernel.launch_1d`'s
-    signature that does the call's whole work in one frame: the launch configuration's checks
-    (``n > 0``, ``block`` up to ``limits[0]`` threads, ``shared_mem`` up to ``limits[1]``
-    bytes, one argument per parameter), the pattern's checks and the launch. Anything else
-    goes to ``slow`` with the positional arguments as given (``given``: one per parameter,
-    :data:`ABSENT` where none was; ``rest``: those beyond). The kernel installs it as its
-    ``launch_1d`` while the pattern repeats, saving the method's frame and the call of ``go``.
+    The binder also has ``bind.launch_1d``, a function with
+    :meth:`~cupylab.kernels.Kernel.launch_1d`'s signature that does the call's whole work in
+    one frame: the launch configuration's checks (``n > 0``, ``block`` up to ``limits[0]``
+    threads, ``shared_mem`` up to ``limits[1]`` bytes, one argument per parameter), the
+    pattern's checks and the launch. Anything else goes to ``slow`` (the kernel's own
+    ``launch_1d`` without the lean attempt), called as ``slow(n, given, rest, block,
+    shared_mem, stream)`` with the positional arguments as given (``given``: one per
+    parameter, :data:`ABSENT` where none was; ``rest``: those beyond). The kernel installs it
+    as its ``launch_1d`` while the pattern repeats, saving the method's frame and the call of
+    ``go``.
 
     The binder is compiled for the pattern: straight-line code with one block per parameter
     (no loop, no call per array), the pattern's types, dtypes and converters bound as
     constants. Its source is made of identifiers and numbers only; every value (types,
     dtypes, converters, message prefixes) is passed in its namespace.
     """
-    env = {"_k": sys.modules[__name__], "_launch": _launch}
+    env = {"_launch": _launch}
     body, values, devices, torch_seen = [], [], [], False
     for p, a in zip(params, args):
         i, v = p.index, f"a{p.index}"
@@ -141,18 +142,12 @@ def make_binder(params, args, kernel, grid_1d, slow=None, limits=(1024, 48 * 102
     d0 = devices[0]
     if len(devices) > 1:
         body += [f"if {' or '.join(f'{d} != {d0}' for d in devices[1:])}:", "    return None"]
-    # the runtime's functions, looked up now (a full-path launch has just run)
-    env["GD"] = _get_device or _init_device()
-    if torch_seen:
-        env["TS"] = _torch_raw or _init_torch()
-    else:
-        env["CS"] = _cupy_current or _init_cupy()
+    _bind_runtime(env, torch_seen)
     body += [f"if GD() != {d0}:",
              "    return None",
              "if stream is not None:",
              "    s = _launch.resolve_stream(stream)",
-             "else:",  # torch's current stream when a tensor is among the arguments; CuPy's
-             # asked for the device found above, which it would otherwise look up again
+             "else:",  # torch's current stream when a tensor is among the arguments
              f"    s = TS({d0})" if torch_seen else f"    s = CS({d0}).ptr"]
     head = f"        {''.join(f'a{p.index}, ' for p in params)}= args\n"
     checks = "".join(f"        {line}\n" for line in body)
@@ -177,13 +172,12 @@ def make_binder(params, args, kernel, grid_1d, slow=None, limits=(1024, 48 * 102
             + f"    PACK(bp[0], 0, {', '.join(values)})\n"
             + "    L(f, g, 1, 1, block, 1, 1, smem, s, bp[2], 0)\n"
             + "    return True\n")
-    if slow is not None:
-        src += _launch_1d_source(params, body, values, d0, limits)
-        env.update(SLOW=slow, ABSENT=ABSENT)
+    src += _launch_1d_source(params, body, values, d0, limits)
+    env.update(SLOW=slow, ABSENT=ABSENT)
     exec(compile(src, "<cupylab._kfast binder>", "exec"), env)  # noqa: S102 - see docstring
     bind = env["bind"]
     bind.go = env["go"]
-    bind.launch_1d = env.get("launch_1d")
+    bind.launch_1d = env["launch_1d"]
     return bind
 
 
@@ -215,6 +209,18 @@ def _launch_1d_source(params, body, values, d0, limits):
             f"    PACK(bp[0], 0, {', '.join(values)})\n"
             "    q = -(-n // block)\n"
             "    L(f, q if q < g else g, 1, 1, block, 1, 1, shared_mem, s, bp[2], 0)\n")
+
+
+def _bind_runtime(env, torch):
+    """Put the runtime functions a lean path calls into its namespace, looked up now (a
+    full-path call has just run): ``GD()`` the current device, and ``TS(device)`` torch's
+    current stream handle or ``CS(device)`` CuPy's current stream object (asked for the
+    device already found, which ``get_current_stream()`` would look up again)."""
+    env["GD"] = _get_device or _init_device()
+    if torch:
+        env["TS"] = _torch_raw or _init_torch()
+    else:
+        env["CS"] = _cupy_current or _init_cupy()
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,19 +264,21 @@ class EwPattern:
 
     ``pattern.call(args, out, stream)`` returns the result, or :data:`MISS` to take the full
     path. It is compiled like :func:`make_binder`'s binders; per framework dtype the full path
-    has accepted, :meth:`learn` keeps the kernel instance, the scalar converters and the
-    largest element count.
+    has accepted, :meth:`learn` keeps what the launch needs of the kernel instance (its
+    packer, functions and parameter buffers), the scalar converters and the largest element
+    count.
     """
 
     __slots__ = ("_ek", "_torch", "_dtypes", "call")
 
     def __init__(self, ek, tp, torch):
         self._ek, self._torch = ek, torch
-        # framework dtype -> (launch kernel, converters, whats, most, itemsize, complex,
-        # the kernel's functions by device, its thread-local buffers, its packer)
+        # framework dtype -> (the kernel's packer, converters, whats, most, itemsize,
+        # complex, the kernel's functions by device, its thread-local buffers)
         self._dtypes = {}
         env = {"TT": tp, "D": self._dtypes, "MISS": MISS, "_k": sys.modules[__name__],
                "_launch": _launch, "B": ek.block}
+        _bind_runtime(env, torch)
         exec(compile(_ew_source(ek, torch), "<cupylab._kfast elementwise>", "exec"), env)  # noqa: S102
         self.call = env["call"]
 
@@ -298,11 +306,11 @@ class EwPattern:
         most = min(ps[ek._size].convert.range[1], ek._max_n)
         x = args[ek._ptr.index(True)]
         k = kernel._k
-        self._dtypes[x.dtype] = (k, tuple(ps[i].convert for i in scal),
+        self._dtypes[x.dtype] = (k._struct.pack_into, tuple(ps[i].convert for i in scal),
                                  tuple(ps[i].what for i in scal), most,
                                  x.element_size() if self._torch else x.dtype.itemsize,
                                  self._torch and "complex" in str(x.dtype),  # conj bits to read
-                                 k._fns, k._tls, k._struct.pack_into)  # the launch, inlined
+                                 k._fns, k._tls)  # the launch, inlined
 
 
 def _ew_source(ek, torch):
@@ -328,13 +336,11 @@ def _ew_source(ek, torch):
                 f"if ({x}.requires_grad or not {x}.is_contiguous() or {x}.is_neg() "
                 f"or (info[5] and {x}.is_conj())):",
                 "    return MISS"]
-        alloc = ["raw = _k._torch_raw or _k._init_torch()",
-                 "s = raw(dev)",
+        alloc = ["s = TS(dev)",
                  "if stream is not None and _launch.resolve_stream(stream) != s:",
                  "    return MISS",  # the full path records the allocation on that stream
                  f"o = _k._torch_empty_like({x})"]
-        given = ["s = (_k._torch_raw or _k._init_torch())(dev) if stream is None else "
-                 "_launch.resolve_stream(stream)",
+        given = ["s = TS(dev) if stream is None else _launch.resolve_stream(stream)",
                  f"if {same.format(a='out')}:", "    return MISS",
                  "nb = n * info[4]"]
         ptr = "p{j} = {a}.data_ptr()"
@@ -351,12 +357,11 @@ def _ew_source(ek, torch):
                 f"shape = {x}.shape",
                 f"m = {x}.data",
                 "dev = m.device_id"]
-        alloc = ["s = (_k._cupy_current or _k._init_cupy())().ptr",
+        alloc = ["s = CS(dev).ptr",
                  "if stream is not None and _launch.resolve_stream(stream) != s:",
                  "    return MISS",  # the full path allocates from that stream's pool
                  "o = _k._cupy_ndarray(shape, fdt)"]
-        given = ["s = (_k._cupy_current or _k._init_cupy())().ptr if stream is None else "
-                 "_launch.resolve_stream(stream)",
+        given = ["s = CS(dev).ptr if stream is None else _launch.resolve_stream(stream)",
                  f"if {same.format(a='out')} or out.data.device_id != dev:", "    return MISS",
                  "nb = n * info[4]"]
         operand = [f"if {same}:", "    return MISS", "m = {a}.data",
@@ -364,7 +369,7 @@ def _ew_source(ek, torch):
                    "if p{j} % info[4]:", "    return MISS"]  # a byte-offset .view()
         first = ["p{j} = m.ptr", "if p{j} % info[4]:", "    return MISS"]
     body = head + ["if not 0 < n <= info[3]:", "    return MISS",
-                   "if (_k._get_device or _k._init_device())() != dev:", "    return MISS",
+                   "if GD() != dev:", "    return MISS",
                    # the kernel's function here and this thread's parameter buffer (the full
                    # path makes them), read before anything is allocated
                    "f = info[6].get(dev)",
@@ -395,6 +400,6 @@ def _ew_source(ek, torch):
             + "".join(f"        {line}\n" for line in body)
             + "    except Exception:  # anything odd: the full path checks and explains\n"
             + "        return MISS\n"
-            + f"    info[8](bp[0], 0, {', '.join(values)})\n"  # Kernel.launch, inlined
+            + f"    info[0](bp[0], 0, {', '.join(values)})\n"  # Kernel.launch, inlined
             + "    L(f, -(-n // B), 1, 1, B, 1, 1, 0, s, bp[2], 0)\n"
             + "    return o\n")
