@@ -19,8 +19,10 @@ Rows, for torch and for CuPy inputs (whichever are usable):
   ``with g.capture(): ...`` then ``g.replay()``), against the framework's graph;
 * a user's kernel (:data:`USER_SRC`'s ``vadd`` through ``cupylab.load_kernels``, launched
   with ``launch_1d``: every argument check included) against ``cupy.RawKernel`` of the same
-  source on the same memory (CuPy arrays; for torch inputs, CuPy views of the tensors), and
-  for torch inputs also against ``torch.add(x, y, out=z)``;
+  source on the same memory (CuPy arrays; for torch inputs, CuPy views of the tensors made
+  once beforehand), and for torch inputs also against ``cupy.RawKernel`` given the tensors'
+  ``data_ptr()`` at each call (how a RawKernel takes a torch tensor, with no check) and
+  against ``torch.add(x, y, out=z)``;
 * ``cupylab.ElementwiseKernel`` of ``ew_add`` (``out=z`` and allocating) against
   ``cupylab.add`` on the same arrays: a user's elementwise kernel beside cupylab's own;
 * torch inputs only, the torch integration's layers on one :data:`RMS_SHAPE` bfloat16
@@ -123,6 +125,14 @@ def _raw_vadd(cp, x, y, z):
     return lambda: k(grid, (USER_BLOCK,), args)
 
 
+def _raw_vadd_ptrs(cp, x, y, z):
+    """``cupy.RawKernel`` of the same ``vadd`` given torch tensors' ``data_ptr()``, read at
+    each call: RawKernel takes no torch tensor, and a pointer parameter accepts an ``int``."""
+    k = cp.RawKernel(USER_SRC, "vadd")
+    grid, block, n = (-(-N // USER_BLOCK),), (USER_BLOCK,), cp.int32(N)
+    return lambda: k(grid, block, (x.data_ptr(), y.data_ptr(), z.data_ptr(), n))
+
+
 def _ew_add(cupylab):
     return cupylab.ElementwiseKernel(cupylab.load_kernels(source=USER_SRC)["ew_add"],
                                      block=USER_BLOCK)
@@ -175,6 +185,9 @@ def _torch_rows(torch, cupylab, cp):
                      lambda: _torch_graph(torch, lambda: torch.add(x, y, out=z)), GRAPH_OPS))
     user = _user_rows("torch", cupylab, cp, x, y, z)
     rows.append(user[0])
+    rows.append(_row("torch", user[0]["case"], user[0]["make_cl"],
+                     "cupy.RawKernel vadd, data_ptr() per call",
+                     lambda: _raw_vadd_ptrs(cp, x, y, z)))
     rows.append(_row("torch", user[0]["case"], user[0]["make_cl"], "torch.add(x, y, out=z)",
                      lambda: lambda: torch.add(x, y, out=z)))
     return rows + user[1:] + _torch_integration_rows(torch, cupylab)
