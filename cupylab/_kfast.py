@@ -169,8 +169,7 @@ def make_binder(params, args, kernel, grid_1d, slow, limits):
             + "        q = -(-n // block)\n"
             + "        if q < g:\n"
             + "            g = q\n"
-            + f"    PACK(bp[0], 0, {', '.join(values)})\n"
-            + "    L(f, g, 1, 1, block, 1, 1, smem, s, bp[2], 0)\n"
+            + _launch_source("PACK", values, "g", "block", "smem")
             + "    return True\n")
     src += _launch_1d_source(params, body, values, d0, limits)
     env.update(SLOW=slow, ABSENT=ABSENT)
@@ -206,9 +205,17 @@ def _launch_1d_source(params, body, values, d0, limits):
             "    L = _launch._driver_launch\n"
             "    if not ok or L is None:\n"
             f"        return SLOW(n, ({given}), rest, block, shared_mem, stream)\n"
-            f"    PACK(bp[0], 0, {', '.join(values)})\n"
             "    q = -(-n // block)\n"
-            "    L(f, q if q < g else g, 1, 1, block, 1, 1, shared_mem, s, bp[2], 0)\n")
+            + _launch_source("PACK", values, "q if q < g else g", "block", "shared_mem"))
+
+
+def _launch_source(pack, values, grid, block, smem):
+    """The inline launch every lean path ends with (:meth:`cupylab._launch.Kernel.launch`
+    without its call): ``values`` packed by ``pack`` into this thread's parameter buffer
+    ``bp``, then the driver call ``L`` of function ``f`` on stream ``s`` (names the generated
+    code has bound); ``grid``, ``block`` and ``smem`` are source expressions."""
+    return (f"    {pack}(bp[0], 0, {', '.join(values)})\n"
+            f"    L(f, {grid}, 1, 1, {block}, 1, 1, {smem}, s, bp[2], 0)\n")
 
 
 def _bind_runtime(env, torch):
@@ -400,6 +407,5 @@ def _ew_source(ek, torch):
             + "".join(f"        {line}\n" for line in body)
             + "    except Exception:  # anything odd: the full path checks and explains\n"
             + "        return MISS\n"
-            + f"    info[0](bp[0], 0, {', '.join(values)})\n"  # Kernel.launch, inlined
-            + "    L(f, -(-n // B), 1, 1, B, 1, 1, 0, s, bp[2], 0)\n"
+            + _launch_source("info[0]", values, "-(-n // B)", "B", "0")
             + "    return o\n")

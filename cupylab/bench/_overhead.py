@@ -117,19 +117,23 @@ def _user_vadd(cupylab, x, y, z):
     return lambda: k.launch_1d(N, x, y, z, N, block=USER_BLOCK)
 
 
+def _raw_kernel(cp):
+    """``cupy.RawKernel`` of the same ``vadd``, the grid and block ``launch_1d`` picks for
+    ``N``, and the count as a 32-bit scalar (a Python int would be passed as 64 bits)."""
+    return cp.RawKernel(USER_SRC, "vadd"), (-(-N // USER_BLOCK),), (USER_BLOCK,), cp.int32(N)
+
+
 def _raw_vadd(cp, x, y, z):
-    """``cupy.RawKernel`` of the same ``vadd``, the grid ``launch_1d`` picks for ``N``; the
-    count as a 32-bit scalar (a Python int would be passed as 64 bits)."""
-    k = cp.RawKernel(USER_SRC, "vadd")
-    grid, args = (-(-N // USER_BLOCK),), (x, y, z, cp.int32(N))
-    return lambda: k(grid, (USER_BLOCK,), args)
+    """The RawKernel ``vadd`` on arrays CuPy takes."""
+    k, grid, block, n = _raw_kernel(cp)
+    args = (x, y, z, n)
+    return lambda: k(grid, block, args)
 
 
 def _raw_vadd_ptrs(cp, x, y, z):
-    """``cupy.RawKernel`` of the same ``vadd`` given torch tensors' ``data_ptr()``, read at
-    each call: RawKernel takes no torch tensor, and a pointer parameter accepts an ``int``."""
-    k = cp.RawKernel(USER_SRC, "vadd")
-    grid, block, n = (-(-N // USER_BLOCK),), (USER_BLOCK,), cp.int32(N)
+    """The RawKernel ``vadd`` given torch tensors' ``data_ptr()``, read at each call:
+    RawKernel takes no torch tensor, and a pointer parameter accepts an ``int``."""
+    k, grid, block, n = _raw_kernel(cp)
     return lambda: k(grid, block, (x.data_ptr(), y.data_ptr(), z.data_ptr(), n))
 
 
