@@ -54,8 +54,7 @@ FILES = {  # stored file -> what it holds
     "sweep_h100.json": "the sweep again on an H100, every second power of two, peers JAX too, "
                        "the tree of 2026-12-06 (29425b8)",
     "sweep_rowwise_h100.json": "the row-wise operators of that sweep again, both sides "
-                               "allocating their results, float64 softmax backwards on 512 "
-                               "threads (the kernels of 8385c83)",
+                               "allocating their results (the tree of 15faf7c)",
     "fusion.json": "fused_add_mul against torch eager, torch.compile and CuPy",
     "overhead.json": "host cost per call and graph replay",
     "medium.json": "float dtypes at 2^20..2^23, 7 repetitions (a second look at medium sizes)",
