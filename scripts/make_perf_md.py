@@ -10,7 +10,7 @@ page)::
 
 This script rewrites the lines between the markers from the ``cupylab-bench`` JSON files
 (``sweep.json``, ``sweep_h100.json``, ``sweep_rowwise_h100.json``, ``fusion.json``,
-``overhead.json``, ``medium.json``,
+``overhead.json``, ``overhead_h100.json``, ``medium.json``,
 ``large16.json``, ``mixed.json``, ``rowwise_<x>.json`` (table ``rowwise-<x>``), the A/B pairs
 ``<x>_before.json`` / ``<x>_after.json`` (table ``rowwise-<x>-ab``; underscores in ``<x>`` as
 dashes in both), the Dask example's ``dask.json``, the
@@ -57,6 +57,8 @@ FILES = {  # stored file -> what it holds
                                "allocating their results (the tree of 15faf7c)",
     "fusion.json": "fused_add_mul against torch eager, torch.compile and CuPy",
     "overhead.json": "host cost per call and graph replay",
+    "overhead_h100.json": "the same on an H100 (a slower host), with cupy.RawKernel given the "
+                          "tensors' data_ptr() per call (the tree of 15faf7c, installed)",
     "medium.json": "float dtypes at 2^20..2^23, 7 repetitions (a second look at medium sizes)",
     "large16.json": "16-bit dtypes at 2^24..2^28, 9 repetitions (a second look at the ties)",
     "mixed.json": "add with operands of different dtypes (NumPy promotion), peers torch and CuPy",
@@ -346,14 +348,18 @@ def t_repeats(data):
                   rows, [False, False, False, True, True, True, False])
 
 
-def _overhead(data, graphs):
-    rows = [r for r in data["overhead.json"]["overhead"]
+def _overhead(data, graphs, name="overhead.json"):
+    rows = [r for r in data[name]["overhead"]
             if ("graph" in r["case"].lower()) == graphs]
     return _drop_empty_last(_report.overhead_table(rows, markdown=True))
 
 
 def t_host(data):
     return _overhead(data, graphs=False)
+
+
+def t_host_h100(data):
+    return _overhead(data, graphs=False, name="overhead_h100.json")
 
 
 def t_graphs(data):
@@ -443,7 +449,7 @@ TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "sweep-rowwise-h100": _sweep_per_op("sweep_rowwise_h100.json"),
           "sweep-rowwise-h100-under": t_sweep_rowwise_under,
           "fusion": t_fusion,
-          "repeats": t_repeats, "host": t_host, "graphs": t_graphs, "mixed": t_mixed,
+          "repeats": t_repeats, "host": t_host, "host-h100": t_host_h100, "graphs": t_graphs, "mixed": t_mixed,
           "dask": t_dask, "train": _train(TRAIN),
           **{f"rowwise-{x.replace('_', '-')}-ab": _ab(f"{x}_before.json", f"{x}_after.json")
              for x in AB},
