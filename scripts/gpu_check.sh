@@ -52,8 +52,12 @@ fi
 BENCH="$PY -m cupylab.bench"
 if [ "${INSTALLED:-0}" = 1 ]; then
   # the bench's result files record the revision; an installed copy has no git to ask
-  CUPYLAB_GIT_REV=${CUPYLAB_GIT_REV:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)}
-  [ -n "$CUPYLAB_GIT_REV" ] && export CUPYLAB_GIT_REV
+  if [ -z "${CUPYLAB_GIT_REV:-}" ] && CUPYLAB_GIT_REV=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)
+  then  # tracked files changed since that commit: say so
+    [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ] \
+      && CUPYLAB_GIT_REV=$CUPYLAB_GIT_REV-dirty
+  fi
+  [ -n "${CUPYLAB_GIT_REV:-}" ] && export CUPYLAB_GIT_REV
   $PY -m pip install -q --no-deps --no-build-isolation "$REPO" > "$OUT/install.log" 2>&1
   say "install (rc=$?): regular install of the checkout"
   mkdir -p "$OUT/elsewhere" && cd "$OUT/elsewhere"   # outside the checkout: the installed package
