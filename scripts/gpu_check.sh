@@ -51,13 +51,11 @@ if [ -d "$REPO/.whl" ] && ! $PY -c 'import dask, distributed' 2>/dev/null; then
 fi
 BENCH="$PY -m cupylab.bench"
 if [ "${INSTALLED:-0}" = 1 ]; then
-  # the bench's result files record the revision; an installed copy has no git to ask
-  if [ -z "${CUPYLAB_GIT_REV:-}" ] && CUPYLAB_GIT_REV=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)
-  then  # tracked files changed since that commit: say so
-    [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ] \
-      && CUPYLAB_GIT_REV=$CUPYLAB_GIT_REV-dirty
-  fi
-  [ -n "${CUPYLAB_GIT_REV:-}" ] && export CUPYLAB_GIT_REV
+  # the bench's result files record the revision, which an installed copy cannot find: the
+  # bench's own lookup asked here, in the checkout ("-dirty" when tracked files differ)
+  CUPYLAB_GIT_REV=$(cd "$REPO" && $PY -c 'from cupylab.bench._env import git_revision
+r, d = git_revision(); print((r + ("-dirty" if d else "")) if r else "")' 2>/dev/null)
+  [ -n "$CUPYLAB_GIT_REV" ] && export CUPYLAB_GIT_REV
   $PY -m pip install -q --no-deps --no-build-isolation "$REPO" > "$OUT/install.log" 2>&1
   say "install (rc=$?): regular install of the checkout"
   mkdir -p "$OUT/elsewhere" && cd "$OUT/elsewhere"   # outside the checkout: the installed package
