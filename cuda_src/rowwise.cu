@@ -532,6 +532,28 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         const int head = row_head(x0);
         A* pw = reinterpret_cast<A*>(p.part0) + ((i64)blockIdx.x * RPB + group) * cols;
         A* pb = reinterpret_cast<A*>(p.part1) + ((i64)blockIdx.x * RPB + group) * cols;
+        constexpr int AW = 16 / sizeof(A);  // partial sums a 16-byte word holds
+        if (head == 0 && cols % AW == 0 && (V % AW) == 0) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int e0 = (sbase + j * TPR) * V;
+                if (e0 < cols) {
+#pragma unroll
+                    for (int q = 0; q < V / AW; ++q) {
+                        Vec<A, AW> vw, vb;
+#pragma unroll
+                        for (int k = 0; k < AW; ++k) {
+                            vw.v[k] = dwa[j * V + q * AW + k];
+                            if constexpr (OP == OP_LN_BWD) vb.v[k] = dba[j * V + q * AW + k];
+                        }
+                        if (e0 + q * AW >= cols) continue;  // cols % AW == 0: whole words
+                        if (p.part0) *reinterpret_cast<Vec<A, AW>*>(pw + e0 + q * AW) = vw;
+                        if (OP == OP_LN_BWD && p.part1)
+                            *reinterpret_cast<Vec<A, AW>*>(pb + e0 + q * AW) = vb;
+                    }
+                }
+            }
+        } else
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
 #pragma unroll
@@ -678,27 +700,34 @@ __global__ void CL_CLUSTER_DIMS(C) __launch_bounds__(THREADS, smem_min_blocks<T,
 namespace cl {
 
 // ---- small second-stage kernels --------------------------------------------------------
-// out[c * out_stride] = sum over parts i of part[i * cols + c]. A block of 32 x 32 threads
-// takes 32 columns: thread row j sums parts j, j + 32, j + 64, ... in order, then thread row 0
-// adds the 32 partial sums in order: a fixed order, so the result is deterministic, and 32
+// out[c] = sum over parts i of part[i * cols + c], and in blocks with blockIdx.y == 1 the
+// same of part1 into out1 (layer_norm_backward's weight and bias gradients in one launch). A
+// block of 32 x ny threads (ny = blockDim.x / 32, at most 32, chosen from nparts alone) takes
+// 32 columns: thread row j sums parts j, j + ny, j + 2 ny, ... in order, then thread row 0
+// adds the ny partial sums in order: a fixed order, so the result is deterministic, and ny
 // loads in flight per column (one thread per column summing hundreds of parts one after
-// another is latency-bound: ~60 us for 1056 parts x 512 columns on an H200).
+// another is latency-bound: ~60 us for 1056 parts x 512 columns on an H200); a few parts
+// (one row's block) take a block of as many thread rows.
 constexpr int CS_W = 32;
 template <typename A, typename W>
-__global__ void __launch_bounds__(CS_W * CS_W) col_sum(const A* part, i64 nparts, i64 cols,
-                                                       W* out, i64 out_stride) {
+__global__ void __launch_bounds__(CS_W * CS_W) col_sum(const A* part, const A* part1,
+                                                       i64 nparts, i64 cols, W* out, W* out1) {
     __shared__ A acc[CS_W][CS_W + 1];
-    const int tx = threadIdx.x % CS_W, ty = threadIdx.x / CS_W;
+    if (blockIdx.y) {
+        part = part1;
+        out = out1;
+    }
+    const int tx = threadIdx.x % CS_W, ty = threadIdx.x / CS_W, ny = blockDim.x / CS_W;
     const i64 c = (i64)blockIdx.x * CS_W + tx;
     A s = A(0);
     if (c < cols)
-        for (i64 i = ty; i < nparts; i += CS_W) s += part[i * cols + c];
+        for (i64 i = ty; i < nparts; i += ny) s += part[i * cols + c];
     acc[ty][tx] = s;
     __syncthreads();
     if (ty == 0 && c < cols) {
         A t = A(0);
-        for (int j = 0; j < CS_W; ++j) t += acc[j][tx];
-        out[c * out_stride] = from_acc<W>(t);
+        for (int j = 0; j < ny; ++j) t += acc[j][tx];
+        out[c] = from_acc<W>(t);
     }
 }
 

@@ -49,8 +49,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(rc, "_opt_in", lambda *a: None)
     seen = []
 
-    def launch(self, device, grid, block, stream, args, shared_mem=0, **kw):
-        seen.append((self.name_expression, grid, block, shared_mem, tuple(args)))
+    def launch(self, device, grid, block, stream, args, shared_mem=0, grid_yz=(1, 1), **kw):
+        seen.append((self.name_expression, grid, block, shared_mem, tuple(args), grid_yz))
 
     monkeypatch.setattr(_launch.Kernel, "launch", launch)
     return seen
@@ -60,7 +60,7 @@ def test_softmax_takes_a_plain_array_and_reuses_its_plan(fake):
     x = Arr((4, 1000))
     y = rf.softmax("softmax", x, -1)
     assert isinstance(y, Arr) and y.shape == x.shape and y.dtype == F32
-    (name, grid, block, smem, args), = fake
+    (name, grid, block, smem, args, _), = fake
     assert name.startswith("cl::row_") and "<float, 0," in name
     assert args[0] == y.ptr and args[2] == x.ptr  # out0, in0
     assert args[13:16] == (4, 1000, 4)  # rows, cols, n1
@@ -110,18 +110,29 @@ def test_norm_results_and_arguments(fake):
 
 
 def test_norm_backward_launches_the_column_sums(fake):
+    """layer_norm_backward: the row kernel writes both partial-sum buffers, and one column-sum
+    launch with two rows of blocks reduces them into dweight and dbias; rms_norm_backward: one
+    row of blocks; no weight: no column sum."""
     x, dy = Arr((300, 512)), Arr((300, 512))
     w, rstd, mean = Arr((512,)), Arr((300,)), Arr((300,))
     dx, dw, db = rf.norm_backward("layer_norm_backward", dy, x, w, mean, rstd)
     assert dx.shape == x.shape and dw.shape == db.shape == (512,)
-    row, cs1, cs2 = fake
+    row, cs = fake
     assert row[4][2:4] == (x.ptr, dy.ptr) and row[4][6:8] == (mean.ptr, rstd.ptr)
-    nparts = cs1[4][1]
-    assert nparts > 0 and row[4][8] and row[4][9]  # partial-sum buffers for dw and db
-    assert cs1[0].startswith("cl::col_sum") and cs1[4][3] == dw.ptr and cs2[4][3] == db.ptr
-    assert cs1[4][0] == row[4][8] and cs2[4][0] == row[4][9]
+    assert row[4][8] and row[4][9]  # partial-sum buffers for dw and db
+    assert cs[0].startswith("cl::col_sum") and cs[1] == 512 // rc.COL_SUM_W
+    assert cs[4] == (row[4][8], row[4][9], cs[4][2], 512, dw.ptr, db.ptr) and cs[4][2] > 0
+    assert cs[5] == (2, 1) and cs[2] == rc.COL_SUM_W * min(rc.COL_SUM_W, cs[4][2])
+    dx, dw = rf.norm_backward("rms_norm_backward", dy, x, w, None, rstd)
+    row, cs = fake[2:]
+    assert cs[4] == (row[4][8], 0, cs[4][2], 512, dw.ptr, 0) and cs[5] == (1, 1)
     dx, dw = rf.norm_backward("rms_norm_backward", dy, x, None, None, rstd)
-    assert dw is None and len(fake) == 4
+    assert dw is None and len(fake) == 5
+    # one row: one block's few partial rows, summed by a block of as many thread rows
+    dx, dw = rf.norm_backward("rms_norm_backward", Arr((1, 512)), Arr((1, 512)), w, None,
+                              Arr((1,)))
+    row, cs = fake[5:]
+    assert row[1] == 1 and 1 <= cs[4][2] < rc.COL_SUM_W and cs[2] == rc.COL_SUM_W * cs[4][2]
 
 
 def test_norm_backward_without_weight_gradients(fake):

@@ -656,14 +656,16 @@ def col_sum_kernel(dt, wdt):
     """The weight-gradient column sum for x of dtype ``dt`` and weights of ``wdt``."""
     a = acc_dtype(dt)
     return kernel("norm_bwd", dt, f"cl::col_sum<{a.ctype}, {wdt.ctype}>",
-                  ("Q", "q", "q", "Q", "q"))
+                  ("Q", "Q", "q", "q", "Q", "Q"))
 
 
-def launch_col_sum(k, device, stream, part, nparts, cols, out):
+def launch_col_sum(k, device, stream, part, nparts, cols, out, part1=0, out1=0):
     """``out[c] = sum of the nparts rows of part[:, c]`` (deterministic) with ``k`` from
-    :func:`col_sum_kernel`: blocks of COL_SUM_W x COL_SUM_W threads, COL_SUM_W columns each."""
-    k.launch(device, max(1, -(-cols // COL_SUM_W)), COL_SUM_W ** 2, stream,
-             (part, nparts, cols, out, 1))
+    :func:`col_sum_kernel`: blocks of COL_SUM_W x min(COL_SUM_W, nparts) threads, COL_SUM_W
+    columns each; with ``out1`` the same of ``part1`` into ``out1`` in the same launch (a
+    second row of blocks)."""
+    k.launch(device, max(1, -(-cols // COL_SUM_W)), COL_SUM_W * min(COL_SUM_W, max(1, nparts)),
+             stream, (part, part1, nparts, cols, out, out1), grid_yz=(2 if out1 else 1, 1))
 
 
 def contiguous_1d(v):

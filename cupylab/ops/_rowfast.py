@@ -382,9 +382,7 @@ def norm_backward(opname, dy, x, weight, mean, rstd, weight_grad=True):
                   (pd, 0, p0, p1, pw, 0, pm, ps, pp0, pp1, 0, 0, 0, *plan.tail, 0.0, 0.0),
                   shared_mem=plan.smem)
     if dw is not None:
-        rc.launch_col_sum(plan.ks, dev, stream, pp0, plan.nparts, cols, pdw)
-        if db is not None:
-            rc.launch_col_sum(plan.ks, dev, stream, pp1, plan.nparts, cols, pdb)
+        rc.launch_col_sum(plan.ks, dev, stream, pp0, plan.nparts, cols, pdw, pp1, pdb)
     del parts0, parts1  # freed in stream order: the launches above are queued first
     if opname == "layer_norm_backward":
         return dx, dw, db

@@ -446,12 +446,10 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, weight_grad, stream):
             nparts = rc.launch_rows(c, rc.OP[opname], xv.dtype, lay,
                                     lambda parts: rc.pack({**ptrs, **parts}, lay, flags=flags),
                                     parts_cb if wdt is not None else None)
-        ks = rc.col_sum_kernel(xv.dtype, wdt) if wdt is not None else None
-        for target, k in ((dwv, 0), (dbv, 1)):
-            if target is None:
-                continue
-            pptr = rc._arrays.as_view(bufs[k], "part").ptr if nparts else 0
-            rc.launch_col_sum(ks, c.device, c.stream, pptr, nparts, cols, target.ptr)
+        if wdt is not None:
+            pp = [rc._arrays.as_view(o, "part").ptr if nparts else 0 for o in bufs] + [0, 0]
+            rc.launch_col_sum(rc.col_sum_kernel(xv.dtype, wdt), c.device, c.stream, pp[0],
+                              nparts, cols, dwv.ptr, pp[1], dbv.ptr if dbv is not None else 0)
     res = [rc.finish(c, dxobj), rc.finish(c, dw) if dw is not None else None]
     if opname == "layer_norm_backward":
         res.append(rc.finish(c, db) if db is not None else None)
