@@ -128,11 +128,11 @@ def test_norm_backward_launches_the_column_sums(fake):
     assert cs[4] == (row[4][8], 0, cs[4][2], 512, dw.ptr, 0) and cs[5] == (1, 1)
     dx, dw = rf.norm_backward("rms_norm_backward", dy, x, None, None, rstd)
     assert dw is None and len(fake) == 5
-    # one row: one block's few partial rows, summed by a block of as many thread rows
-    dx, dw = rf.norm_backward("rms_norm_backward", Arr((1, 512)), Arr((1, 512)), w, None,
-                              Arr((1,)))
+    # two rows: one block's few partial rows, summed by a block of as many thread rows
+    dx, dw = rf.norm_backward("rms_norm_backward", Arr((2, 512)), Arr((2, 512)), w, None,
+                              Arr((2,)))
     row, cs = fake[5:]
-    assert row[1] == 1 and 1 <= cs[4][2] < rc.COL_SUM_W and cs[2] == rc.COL_SUM_W * cs[4][2]
+    assert row[1] == 1 and 1 < cs[4][2] < rc.COL_SUM_W and cs[2] == rc.COL_SUM_W * cs[4][2]
 
 
 def test_norm_backward_without_weight_gradients(fake):

@@ -368,9 +368,11 @@ def test_leading_shapes_and_torch_stream():
 # 1000): two rows a block (threads per row 64) for float32 and 16-bit rows respectively;
 # (300, 3001): float64 softmax backwards on 512 threads of four vectors, more rows than one
 # wave of SMs holds; (77, 500) and (33, 4100): a row of whole 16-byte words of float32 partial
-# sums whose last 16-bit vector is half past the row end
-BWD_SHAPES = [(0, 8), (1, 1), (199, 3), (199, 33), (77, 500), (199, 1000), (4500, 1000),
-              (300, 3001), (30, 4097), (33, 4100), (5, 9000), (3, 20000), (2, 70001)]
+# sums whose last 16-bit vector is half past the row end; (1, 1000), (1, 4096): one row, one
+# block's partial sums
+BWD_SHAPES = [(0, 8), (1, 1), (1, 1000), (1, 4096), (199, 3), (199, 33), (77, 500), (199, 1000),
+              (4500, 1000), (300, 3001), (30, 4097), (33, 4100), (5, 9000), (3, 20000),
+              (2, 70001)]
 
 
 @pytest.mark.parametrize("dt", FLOATS)

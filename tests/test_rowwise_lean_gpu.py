@@ -14,7 +14,7 @@ from gpu_util import FLOATS, from_host, host_data, to_host
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(1, 1), (3, 5, 7), (199, 33), (64, 1000), (8, 4097), (2, 70000)]
+SHAPES = [(1, 1), (1, 4096), (3, 5, 7), (199, 33), (64, 1000), (8, 4097), (2, 70000)]
 
 
 def _fw(name):
