@@ -135,8 +135,9 @@ FILES = {  # stored file -> what it holds
     "ln16plain_after.json": "16-bit layer_norm on the plain kernel beyond 4 row groups an SM, "
                             "branch commit 8802f5d (squashed into c6328e6), 1st round (H100)",
     "ln16plain_before.json": "the same cases in the same round, before it (899c832)",
-    "colsum_after.json": "norm backwards: one column-sum launch, 16-byte partial stores; the "
-                         "tree committed as 60adeef (recorded f466c80+colsum), 2nd round (H100)",
+    "colsum_after.json": "norm backwards without weight (dx alone) on the tree of one "
+                         "column-sum launch and 16-byte partial stores, committed as 60adeef "
+                         "(recorded f466c80+colsum), 2nd round (H100)",
     "colsum_before.json": "the same cases in the same round, before it (f466c80)",
 }
 
