@@ -423,19 +423,16 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, weight_grad, stream):
         dw, dwv = rc.new_array(c, (cols,), wdt)
         if opname == "layer_norm_backward":
             db, dbv = rc.new_array(c, (cols,), wdt)
-    bufs = []
+    bufs = []  # the partial-sum arrays, alive until the column sum is queued
+    parts = {}  # their addresses: "part0" (dweight), "part1" (dbias)
 
     def parts_cb(n):
-        out = {}
-        if dwv is not None:
-            o, pv = rc.new_array(c, (n, cols), a)
-            bufs.append(o)
-            out["part0"] = pv.ptr
-        if dbv is not None:
-            o, pv = rc.new_array(c, (n, cols), a)
-            bufs.append(o)
-            out["part1"] = pv.ptr
-        return out
+        for key, target in (("part0", dwv), ("part1", dbv)):
+            if target is not None:
+                o, pv = rc.new_array(c, (n, cols), a)
+                bufs.append(o)
+                parts[key] = pv.ptr
+        return parts
 
     ptrs = {"in0": xv.ptr, "in1": dv.ptr, "out0": dxv.ptr,
             "w": v["weight"].ptr if "weight" in v else 0,
@@ -444,12 +441,12 @@ def _norm_bwd(opname, dy, x, weight, mean, rstd, weight_grad, stream):
         nparts = 0
         if lay.rows:
             nparts = rc.launch_rows(c, rc.OP[opname], xv.dtype, lay,
-                                    lambda parts: rc.pack({**ptrs, **parts}, lay, flags=flags),
+                                    lambda pp: rc.pack({**ptrs, **pp}, lay, flags=flags),
                                     parts_cb if wdt is not None else None)
         if wdt is not None:
-            pp = [rc._arrays.as_view(o, "part").ptr if nparts else 0 for o in bufs] + [0, 0]
-            rc.launch_col_sum(rc.col_sum_kernel(xv.dtype, wdt), c.device, c.stream, pp[0],
-                              nparts, cols, dwv.ptr, pp[1], dbv.ptr if dbv is not None else 0)
+            rc.launch_col_sum(rc.col_sum_kernel(xv.dtype, wdt), c.device, c.stream,
+                              parts.get("part0", 0), nparts, cols, dwv.ptr,
+                              parts.get("part1", 0), dbv.ptr if dbv is not None else 0)
     res = [rc.finish(c, dxobj), rc.finish(c, dw) if dw is not None else None]
     if opname == "layer_norm_backward":
         res.append(rc.finish(c, db) if db is not None else None)
