@@ -533,24 +533,23 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         A* pw = reinterpret_cast<A*>(p.part0) + ((i64)blockIdx.x * RPB + group) * cols;
         A* pb = reinterpret_cast<A*>(p.part1) + ((i64)blockIdx.x * RPB + group) * cols;
         constexpr int AW = 16 / sizeof(A);  // partial sums a 16-byte word holds
-        if (head == 0 && cols % AW == 0 && (V % AW) == 0) {
+        static_assert(V % AW == 0, "a vector of T holds whole words of partial sums");
+        if (head == 0 && cols % AW == 0) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int e0 = (sbase + j * TPR) * V;
-                if (e0 < cols) {
 #pragma unroll
-                    for (int q = 0; q < V / AW; ++q) {
-                        Vec<A, AW> vw, vb;
+                for (int q = 0; q < V / AW; ++q) {
+                    Vec<A, AW> vw, vb;
 #pragma unroll
-                        for (int k = 0; k < AW; ++k) {
-                            vw.v[k] = dwa[j * V + q * AW + k];
-                            if constexpr (OP == OP_LN_BWD) vb.v[k] = dba[j * V + q * AW + k];
-                        }
-                        if (e0 + q * AW >= cols) continue;  // cols % AW == 0: whole words
-                        if (p.part0) *reinterpret_cast<Vec<A, AW>*>(pw + e0 + q * AW) = vw;
-                        if (OP == OP_LN_BWD && p.part1)
-                            *reinterpret_cast<Vec<A, AW>*>(pb + e0 + q * AW) = vb;
+                    for (int k = 0; k < AW; ++k) {
+                        vw.v[k] = dwa[j * V + q * AW + k];
+                        if constexpr (OP == OP_LN_BWD) vb.v[k] = dba[j * V + q * AW + k];
                     }
+                    if (e0 + q * AW >= cols) continue;  // cols % AW == 0: whole words
+                    if (p.part0) *reinterpret_cast<Vec<A, AW>*>(pw + e0 + q * AW) = vw;
+                    if (OP == OP_LN_BWD && p.part1)
+                        *reinterpret_cast<Vec<A, AW>*>(pb + e0 + q * AW) = vb;
                 }
             }
         } else
