@@ -1,6 +1,7 @@
 // Row-wise fused operators over the last axis: softmax, log_softmax, rms_norm, layer_norm,
 // add + rms_norm, cross-entropy (forward, with the gradient written in the same pass), and the
-// backward of softmax, log_softmax, rms_norm and layer_norm.
+// backward of softmax, log_softmax, rms_norm, layer_norm and cross-entropy (the last from the
+// forward's log-sum-exp, cupylab_ce_backward.cuh).
 //
 // Register kernels (row_kernel, row_cluster_kernel): the row is read from global memory once
 // into registers as 16-byte vectors (NV per thread) and written once. A row belongs to TPR
@@ -752,3 +753,5 @@ __global__ void __launch_bounds__(1024) ce_aux(const RowArgs p) {
 }
 
 }  // namespace cl
+
+#include "cupylab_ce_backward.cuh"  // ce_backward: the gradient from the log-sum-exp

@@ -17,10 +17,10 @@ from .ops.elementwise import (add, div, divide, floor_divide, fused_add_mul, mul
 from .ops.rowwise import (add_rms_norm, layer_norm, layer_norm_backward, log_softmax,
                           log_softmax_backward, rms_norm, rms_norm_backward, softmax,
                           softmax_backward)
-from .ops.cross_entropy import cross_entropy
+from .ops.cross_entropy import cross_entropy, cross_entropy_backward
 _ROWWISE = ["softmax", "log_softmax", "layer_norm", "rms_norm", "add_rms_norm", "cross_entropy",
             "softmax_backward", "log_softmax_backward", "layer_norm_backward",
-            "rms_norm_backward"]
+            "rms_norm_backward", "cross_entropy_backward"]
 # ---- end row-wise ---------------------------------------------------------------------------
 
 __version__ = "0.1.0"

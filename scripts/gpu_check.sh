@@ -93,6 +93,10 @@ if has sanitizer && command -v "$SAN" >/dev/null 2>&1; then
     test_rowwise_gpu.py
   san row_race racecheck '(softmax_forward and bfloat16 and (199-33 or 199-1000 or 2-262144 or 60-4097)) or (norms_forward and (float32 or bfloat16) and same and (60-4097 or 5-65537)) or (backward_analytic and (float32 or bfloat16) and (1-1000 or 77-500 or 30-4097 or 5-9000)) or (cross_entropy and bfloat16 and 0.1 and 2-128256) or (softmax_forward and softmax- and float32 and 5-65537) or (cross_entropy and float32 and 0.0 and 2-128256) or (weight_alignment and 3000-1000-0-contig-bfloat16) or (one_row_an_sm and bfloat16 and 33-4)' \
     test_rowwise_gpu.py
+  san ceb_mem memcheck '(reductions and (bfloat16 or float64) and (199-33 or 9-4097 or 2-128256 or 1-300000 or 1-1)) or alignment or broadcast or ignored' \
+    test_cross_entropy_backward_gpu.py
+  san ceb_race racecheck 'reductions and bfloat16 and (contig or offset) and (9-4097 or 2-128256)' \
+    test_cross_entropy_backward_gpu.py
   # not numba: numba-cuda's driver bindings probe entry points this driver lacks, which
   # memcheck reports as API errors (cuGetProcAddress_v2) that are not cupylab's. Not
   # cache_hits: its arrays outlive their last reference only under the sanitizer (0 memcheck

@@ -269,7 +269,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 692
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 696
 
 
 def test_errors_need_no_gpu():
@@ -475,7 +475,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 692
+    assert n == 696
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():
@@ -489,7 +489,8 @@ def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():
     assert row_shape(OPS["add"], (1 << 26,)) == (1 << 26,)
 
 
-_NEW_BENCH_CASES = {"rms_norm_backward": 2, "layer_norm_backward": 2, "cross_entropy": 1}
+_NEW_BENCH_CASES = {"rms_norm_backward": 2, "layer_norm_backward": 2, "cross_entropy": 1,
+                    "cross_entropy_backward": 1}
 
 
 def test_bench_cases_of_the_backwards_and_cross_entropy():
@@ -505,6 +506,7 @@ def test_bench_cases_of_the_backwards_and_cross_entropy():
     assert OPS["rms_norm_backward"].bytes_per_element(2) == 6
     assert OPS["layer_norm_backward"].bytes_per_element(4) == 12
     assert OPS["cross_entropy"].bytes_per_element(2) == 4
+    assert OPS["cross_entropy_backward"].bytes_per_element(2) == 4
 
 
 def test_bench_references_of_the_backwards_and_cross_entropy():
@@ -546,10 +548,13 @@ def test_bench_backward_cases_make_their_inputs_once(monkeypatch):
         made.append("ln")
         return R.ROWWISE_REFERENCES["layer_norm"](x, weight, bias, eps)
 
-    def cross_entropy(logits, target, reduction="mean", return_grad=False, grad_out=None):
-        assert reduction == "sum" and return_grad and target.dtype == np.int64
+    def cross_entropy(logits, target, reduction="mean", return_grad=False, grad_out=None,
+                      return_lse=False):
+        assert reduction == "sum" and (return_grad or return_lse) and target.dtype == np.int64
         made.append("ce")
-        loss, _, g = R.ROWWISE_REFERENCES["cross_entropy"](logits, target)
+        loss, lse, g = R.ROWWISE_REFERENCES["cross_entropy"](logits, target)
+        if return_lse:
+            return loss.sum(), lse
         if grad_out is None:
             return loss.sum(), g
         grad_out[...] = g
@@ -559,7 +564,18 @@ def test_bench_backward_cases_make_their_inputs_once(monkeypatch):
     monkeypatch.setattr(rw, "layer_norm", layer_norm)
     monkeypatch.setattr(rw, "rms_norm_backward", R.ROWWISE_REFERENCES["rms_norm_backward"])
     monkeypatch.setattr(rw, "layer_norm_backward", R.ROWWISE_REFERENCES["layer_norm_backward"])
+    def cross_entropy_backward(logits, target, lse, reduction="mean", out=None):
+        assert reduction == "sum" and target.dtype == np.int64
+        made.append("ce_bwd")
+        ref = R.ROWWISE_REFERENCES["cross_entropy"](logits, target)
+        np.testing.assert_allclose(lse, ref[1])  # the forward's, kept for this input
+        if out is None:
+            return ref[2]
+        out[...] = ref[2]
+        return out
+
     monkeypatch.setattr(ce_mod, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(ce_mod, "cross_entropy_backward", cross_entropy_backward)
     rng = np.random.default_rng(4)
     dy, x, x2 = rng.standard_normal((3, 6, 50))
     for name, tag in (("rms_norm_backward", "rms"), ("layer_norm_backward", "ln")):
@@ -578,6 +594,14 @@ def test_bench_backward_cases_make_their_inputs_once(monkeypatch):
         np.testing.assert_allclose(out, R.REFERENCES["rows:cross_entropy"](xs), rtol=1e-3,
                                    atol=1e-5)
     assert made.count("ce") == 6
+    fn = OPS["cross_entropy_backward"].fn
+    for xs in (x, x.astype(np.float32)):
+        for _ in range(3):
+            out = np.empty_like(xs)
+            assert fn(xs, out=out) is out
+            np.testing.assert_allclose(out, R.REFERENCES["rows:cross_entropy_backward"](xs),
+                                       rtol=1e-5, atol=1e-7)
+    assert made.count("ce") == 8 and made.count("ce_bwd") == 6  # one lse per input
     with pytest.raises(TypeError, match="no weak references"):
         OPS["rms_norm_backward"].fn(dy, x.tolist())
 

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from cupylab.torch import _autograd, _kernels, _library  # noqa: E402
 from cupylab.torch import functional as F  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from torch_cpu_refs import TF, _REAL_SCALE_GRAD, _g, cpu_kernels  # noqa: E402, F401 (a fixture)
+from torch_cpu_refs import TF, _REAL_CE_BWD, _g, cpu_kernels  # noqa: E402, F401 (a fixture)
 
 
 # -- import hygiene ---------------------------------------------------------------------------
@@ -40,7 +40,7 @@ def test_every_operator_registered_with_schema():
     # the forward operators have autograd formulas; the mutating one cannot
     assert set(_autograd.FORMULAS) == set(_library.SCHEMAS) - {
         "softmax_backward", "log_softmax_backward", "rms_norm_backward",
-        "layer_norm_backward", "add_rms_norm_"}
+        "layer_norm_backward", "cross_entropy_backward", "add_rms_norm_"}
 
 
 def test_public_functions_documented():
@@ -98,10 +98,12 @@ def test_fake_cross_entropy(red, grad):
     with FakeTensorMode():
         x = _fake((6, 11), torch.float16)
         t = torch.empty(6, dtype=torch.int64, device="cuda")
-        loss, g = torch.ops.cupylab.cross_entropy(x, t, -100, red, 0.1, grad)
+        loss, lse = torch.ops.cupylab.cross_entropy(x, t, -100, red, 0.1, grad)
         assert _meta(loss) == _contig((6,) if red == "none" else (), torch.float16)
-        assert _meta(g) == (_contig((6, 11), torch.float16) if grad
-                            else _contig((0,), torch.float16))
+        assert _meta(lse) == (_contig((6,), torch.float32) if grad
+                              else _contig((0,), torch.float16))
+        dx = torch.ops.cupylab.cross_entropy_backward(x, t, lse, loss, -100, red, 0.1)
+        assert _meta(dx) == _contig((6, 11), torch.float16)
 
 
 @pytest.mark.parametrize("a,b,name,dt", [
@@ -317,8 +319,8 @@ def test_saved_tensors_are_minimal(cpu_kernels):
     assert saved[2].shape == (4,) and saved[2].dtype == torch.float32
     y = F.softmax(x)
     assert [s.shape for s in y.grad_fn.saved_tensors] == [(4, 6)]
-    loss = F.cross_entropy(x, torch.tensor([0, 1, 2, 3]))
-    assert [s.shape for s in loss.grad_fn.saved_tensors] == [(4, 6)]
+    loss = F.cross_entropy(x, torch.tensor([0, 1, 2, 3]))  # logits, target, log-sum-exp
+    assert [s.shape for s in loss.grad_fn.saved_tensors] == [(4, 6), (4,), (4,)]
     y = F.add(x, x)
     assert y.grad_fn.saved_tensors == ()
 
@@ -536,7 +538,7 @@ def test_frozen_parameters_reach_the_kernels_as_plain_tensors():
 
 @pytest.mark.parametrize("path", ["functional", "registered"])
 def test_cross_entropy_double_backward_raises(cpu_kernels, path):
-    """cross_entropy's backward reuses the gradient its forward wrote: with create_graph=True
+    """cross_entropy's backward is a kernel with no graph of its own: with create_graph=True
     the first gradient is right, and differentiating it again raises instead of silently
     leaving out the loss's Hessian (the second derivative torch would give)."""
     x = _g(5, 7, dtype=torch.float64)
@@ -555,19 +557,19 @@ def test_cross_entropy_double_backward_raises(cpu_kernels, path):
 @pytest.mark.parametrize("how", ["grad_outputs", "create_graph"])
 def test_cross_entropy_backward_takes_an_incoming_gradient_that_requires_grad(
         cpu_kernels, monkeypatch, how):
-    """The gradient's scale (the incoming gradient, float32 or float64) was handed to
-    cupylab.multiply still requiring grad, which cupylab refuses (TypeError): per-row loss
-    weights that require grad, or create_graph with a learned loss scale, failed the first
-    backward (torch's cross-entropy takes both)."""
+    """The incoming gradient (float32 or float64) was handed to a cupylab kernel still
+    requiring grad, which cupylab refuses (TypeError): per-row loss weights that require
+    grad, or create_graph with a learned loss scale, failed the first backward (torch's
+    cross-entropy takes both)."""
     import cupylab
 
-    def multiply(a, b, out=None, dtype=None):  # refuses what the real kernel refuses
-        if a.requires_grad or b.requires_grad:
-            raise TypeError("multiply: a torch tensor that requires grad")
-        return out.copy_((a.to(dtype) * b).to(out.dtype))
+    from torch_cpu_refs import _ce_bwd
 
-    monkeypatch.setattr(_kernels, "scale_grad", _REAL_SCALE_GRAD)
-    monkeypatch.setattr(cupylab, "multiply", multiply)
+    def backward(x, t, lse, dloss, ii, ls, red):  # refuses what the real kernel refuses
+        return _ce_bwd(x, t, lse, dloss, ii, red, ls, refuse=True)
+
+    monkeypatch.setattr(_kernels, "cross_entropy_backward", _REAL_CE_BWD)
+    monkeypatch.setattr(cupylab, "cross_entropy_backward", backward)
     x = _g(5, 7, dtype=torch.float64)
     t = torch.tensor([0, 3, 6, 2, 1])
     ref = torch.nn.functional.cross_entropy

@@ -57,10 +57,9 @@ def _norm_bwd(dy, x, w, mean, rstd, weight_grad=True):
 
 
 def _ce(logits, target, ii, red, ls, compute_grad, fp32_loss=False):
-    """Cross-entropy and its gradient, analytically (a registered operator's implementation
-    runs below autograd)."""
+    """Cross-entropy and, with ``compute_grad``, the per-row log-sum-exp (a registered
+    operator's implementation runs below autograd)."""
     x = logits.detach().to(_acc(logits))
-    n = x.shape[-1]
     keep = target != ii
     t = torch.where(keep, target, torch.zeros_like(target)).long()
     lse = torch.logsumexp(x, -1)
@@ -69,21 +68,35 @@ def _ce(logits, target, ii, red, ls, compute_grad, fp32_loss=False):
     rows = torch.where(keep, rows, torch.zeros_like(rows))
     count = keep.sum().to(x.dtype)
     loss = rows.sum() / count if red == "mean" else rows.sum() if red == "sum" else rows
-    g = None
-    if compute_grad:
-        onehot = TF.one_hot(t, n).to(x.dtype)
-        g = torch.softmax(x, -1) - (1 - ls) * onehot - ls / n
-        # float16 with "mean": the gradient of the sum (the backward divides, in float32)
-        g = g * keep.unsqueeze(-1).to(x.dtype) / (
-            count if red == "mean" and logits.dtype != torch.float16 else 1)
     loss = loss.to(torch.float32 if fp32_loss else logits.dtype)
-    return loss, (logits.new_empty((0,)) if g is None else g.to(logits.dtype).contiguous())
+    return loss, (lse.contiguous() if compute_grad else logits.new_empty((0,)))
+
+
+def _ce_bwd(logits, target, lse, dloss, ii, red, ls, refuse=False):
+    """The gradient from the saved log-sum-exp, in float32 (float64) times the loss's gradient
+    read in that precision, rounded once to the logits' dtype. ``refuse``: a tensor that
+    requires grad raises, as ``cupylab.cross_entropy_backward`` does (the ``_kernels``
+    function this stands in for detaches them)."""
+    if refuse and (dloss.requires_grad or logits.requires_grad):
+        raise TypeError("cross_entropy_backward: a torch tensor that requires grad")
+    logits, dloss = logits.detach(), dloss.detach()
+    x = logits.to(_acc(logits))
+    n = x.shape[-1]
+    keep = target != ii
+    t = torch.where(keep, target, torch.zeros_like(target)).long()
+    g = torch.exp(x - lse.unsqueeze(-1)) - (1 - ls) * TF.one_hot(t, n).to(x.dtype) - ls / n
+    s = dloss.to(x.dtype)
+    if red == "mean":
+        count = keep.sum().to(x.dtype)
+        s = s * torch.where(count > 0, 1 / count, torch.zeros_like(count))
+    s = s.unsqueeze(-1) if s.dim() else s
+    return (g * keep.unsqueeze(-1).to(x.dtype) * s).to(logits.dtype).contiguous()
 
 
 CALLS = []  # (kernel name, args) of every reference kernel call
 
 
-_REAL_SCALE_GRAD = _kernels.scale_grad  # (a stand-in replaces it below)
+_REAL_CE_BWD = _kernels.cross_entropy_backward  # (a stand-in replaces it below)
 
 
 def _log(name, fn):
@@ -113,7 +126,7 @@ REFS = {
     "cross_entropy": _ce,
     "cross_entropy_loss": lambda x, t, ii, red, ls, f32=False: _ce(x, t, ii, red, ls, False,
                                                                     f32)[0],
-    "scale_grad": lambda g, s: (g.to(s.dtype) * s).to(g.dtype),
+    "cross_entropy_backward": _ce_bwd,
     "add": lambda a, b: torch.add(_dd(a), _dd(b)).contiguous(),
     "subtract": lambda a, b: torch.sub(_dd(a), _dd(b)).contiguous(),
     "multiply": lambda a, b: torch.mul(_dd(a), _dd(b)).contiguous(),

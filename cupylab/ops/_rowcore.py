@@ -224,7 +224,7 @@ def name_expressions(group, dt):
                   if pipelined(op, dt, cls)]
     a = acc_dtype(dt)
     if group == "ce":
-        names.append(f"cl::ce_aux<{a.ctype}>")
+        names += [f"cl::ce_aux<{a.ctype}>", f"cl::ce_backward<{dt.ctype}>"]
     if group == "norm_bwd":
         for w in {dt.name: dt, **({"float32": F32} if dt.itemsize == 2 else {})}.values():
             names.append(f"cl::col_sum<{a.ctype}, {w.ctype}>")
@@ -329,8 +329,10 @@ def row_layout(opname, shape, slots, axis, extra=()):
 
 def make_layout(opname, shape, slots, axis, extra=()):
     """Layout of ``slots`` (4 Views or None, all of ``shape``) reduced along ``axis``;
-    ``extra``: Views of the leading shape only (the target) sharing the row indexing, put in
-    slot 1. Raises ValueError when the leading dims cannot be merged into two."""
+    ``extra``: up to two Views of the leading shape only (the target, then cross-entropy
+    backward's per-row loss gradient) sharing the row indexing, put in slots 1 and 3 (their
+    column strides stay 0). Raises ValueError when the leading dims cannot be merged into
+    two."""
     nd = len(shape)
     ax = axis % nd
     lead = tuple(e for i, e in enumerate(shape) if i != ax)
@@ -356,9 +358,8 @@ def make_layout(opname, shape, slots, axis, extra=()):
         elif len(st) == 1:
             si[i] = st[0]
         cs[i] = v.strides[ax] if cols > 1 else 1
-    if extra:
-        st = sts[len(ops)]
-        so[1], si[1] = (st if len(st) == 2 else ((0,) + tuple(st) if st else (0, 0)))
+    for i, st in zip((1, 3), sts[len(ops):]):
+        so[i], si[i] = (st if len(st) == 2 else ((0,) + tuple(st) if st else (0, 0)))
     lay.so, lay.si, lay.cs = so, si, cs
     isz = slots[0].dtype.itemsize
     vec = all(cs[i] == 1 for i, _ in ops)

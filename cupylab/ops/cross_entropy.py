@@ -1,5 +1,6 @@
 """Cross-entropy over the last axis of logits, with the gradient written during the forward
-pass (kernels in ``cuda_src/rowwise.cu``: the row kernels with ``OP_CE`` and ``ce_aux``)."""
+pass or computed afterwards from the forward's log-sum-exp (kernels in ``cuda_src/rowwise.cu``:
+the row kernels with ``OP_CE``, ``ce_aux`` and ``ce_backward``)."""
 from __future__ import annotations
 
 import numbers
@@ -7,7 +8,7 @@ import numbers
 from .. import _dask
 from . import _rowcore as rc
 
-__all__ = ["cross_entropy"]
+__all__ = ["cross_entropy", "cross_entropy_backward"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -70,16 +71,7 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
         [0, 1], a bad ``grad_out``, arrays on different GPUs.
     """
     op = "cross_entropy"
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS} (got {reduction!r})")
-    what = "a number in [0, 1]"
-    if not 0.0 <= rc.real_value(op, "label_smoothing", label_smoothing, what) <= 1.0:
-        raise ValueError(f"{op}: label_smoothing must be {what} (got {label_smoothing!r})")
-    if not isinstance(ignore_index, numbers.Integral) or type(ignore_index).__name__ in (
-            "bool", "bool_"):
-        raise TypeError(f"{op}: ignore_index must be an int (got {ignore_index!r})")
-    if not -2**63 <= int(ignore_index) < 2**63:
-        raise ValueError(f"{op}: ignore_index must fit in 64 bits (got {ignore_index!r})")
+    check_options(op, ignore_index, label_smoothing, reduction)
     return_grad = return_grad or grad_out is not None
     if _dask.is_dask(logits) or _dask.is_dask(target):
         refuse = [(k, v) for k, v in (("return_grad", return_grad), ("return_lse", return_lse))
@@ -139,6 +131,144 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
     if return_lse:
         res.append(rc.finish(c, lse_obj))
     return res[0] if len(res) == 1 else tuple(res)
+
+
+def cross_entropy_backward(logits, target, lse, grad_loss=None, ignore_index=-100,
+                           label_smoothing=0.0, reduction="mean", out=None, *, stream=None):
+    """The gradient of :func:`cross_entropy`'s loss with respect to ``logits``, from the
+    per-row log-sum-exp its forward returned (``return_lse=True``): one read of the logits
+    and one write of the gradient.
+
+    ``dlogits = g * (softmax(logits) - (1 - s) * onehot(t) - s / n)`` per row, with
+    ``softmax = exp(logits - lse)``, ``s = label_smoothing``, ``n`` the number of classes and
+    ``g = grad_loss`` (the incoming gradient of the loss) times ``1 / (number of rows not
+    ignored)`` for ``"mean"``. Rows whose target is ``ignore_index`` get 0; a target out of
+    range (not ``ignore_index``) gives NaN in its row, as the forward's gradient does. The
+    result equals ``cross_entropy(..., return_grad=True)``'s gradient scaled by
+    ``grad_loss``, computed in float32 (float64 for float64 logits) and rounded once to the
+    logits' dtype: a loss scale (float16 training) never meets a rounded 16-bit gradient.
+
+    Parameters
+    ----------
+    logits : GPU array, float16 / bfloat16 / float32 / float64
+        The forward's logits, classes on the last axis (any row and column strides).
+    target : GPU array of int64 or int32
+        Shape ``logits.shape[:-1]``.
+    lse : GPU array
+        The forward's log-sum-exp: float32 (float64 for float64 logits), one value per row,
+        C-contiguous.
+    grad_loss : GPU array or real number, optional
+        The gradient of the returned loss (default 1). For ``"mean"`` and ``"sum"`` a
+        single value (shape ``()``); for ``"none"`` shape ``()`` or ``logits.shape[:-1]``
+        (any strides, broadcast ones included). Its dtype is the logits' or float32
+        (float64 for float64 logits).
+    ignore_index, label_smoothing, reduction
+        As given to the forward.
+    out : GPU array, optional
+        Where to write the gradient (logits' shape and dtype); may be ``logits`` itself.
+    stream : stream, optional
+
+    Returns
+    -------
+    dlogits : array of the logits' shape and dtype, in the caller's framework (``out`` when
+        given).
+
+    Raises
+    ------
+    TypeError
+        Arrays that are not GPU arrays, unsupported dtypes, Dask arrays (the Dask form of
+        the forward returns no ``lse``), torch tensors that require grad.
+    ValueError
+        Shapes that do not match, an ``lse`` that is not one contiguous value per row, an
+        unknown ``reduction``, ``label_smoothing`` outside [0, 1], a bad ``out``, arrays on
+        different GPUs.
+    """
+    op = "cross_entropy_backward"
+    check_options(op, ignore_index, label_smoothing, reduction)
+    if any(_dask.is_dask(a) for a in (logits, target, lse, grad_loss, out)):
+        raise TypeError(f"{op}: Dask arrays are not supported (cross_entropy on Dask arrays "
+                        "returns no lse); call it on each chunk's arrays")
+    gl_array = grad_loss is not None and not isinstance(grad_loss, numbers.Number)
+    scalar = 1.0 if grad_loss is None else (
+        None if gl_array else rc.real_value(op, "grad_loss", grad_loss, "a finite number"))
+    c = rc.gather(op, {"logits": logits, "target": target, "lse": lse,
+                       "grad_loss": grad_loss if gl_array else None, "out": out}, stream,
+                  required=3)
+    xv, tv, lv = c.views["logits"], c.views["target"], c.views["lse"]
+    check_arrays(op, xv, tv)
+    rc.check_columns(op, xv.shape, "logits has no classes")
+    a = rc.acc_dtype(xv.dtype)
+    lead = xv.shape[:-1]
+    rows = 1
+    for e in lead:
+        rows *= e
+    rc.check_stats(op, "lse", lv, rows, a)
+    gv = c.views.get("grad_loss")
+    flags = rc.FLAG_TARGET_I32 if tv.dtype is rc.I32 else 0
+    extra = [tv]
+    if gv is not None:
+        if gv.dtype is not xv.dtype and gv.dtype is not a:
+            want = a.name if xv.dtype is a else f"{xv.dtype.name} or {a.name}"
+            raise TypeError(f"{op}: grad_loss must be {want} (got {gv.dtype.name})")
+        if gv.dtype is xv.dtype and xv.dtype is not a:
+            flags |= FLAG_DLOSS_T
+        if gv.shape != () and (reduction != "none" or gv.shape != lead):
+            want = "() or " + str(lead) if reduction == "none" else "()"
+            raise ValueError(f"{op}: grad_loss must have shape {want} for reduction="
+                             f"{reduction!r}; got {gv.shape}")
+        if gv.shape != ():
+            extra.append(gv)
+    if out is not None:
+        ov, oobj = c.views["out"], out
+        rc.check_out(op, "out", ov, xv.shape, xv.dtype)
+        rc.overlap(op, ov, "out", [("logits", xv)])
+        rc.disjoint(op, ov, "out", [("target", tv), ("lse", lv), ("grad_loss", gv)])
+    else:
+        oobj, ov = rc.new_array(c, xv.shape, xv.dtype)
+    lay = rc.row_layout(op, xv.shape, [xv, None, ov, None], -1, extra=tuple(extra))
+    if rows:
+        with rc._launch.ensure_device(c.device):
+            sv = None
+            if reduction == "mean":
+                _, sv = rc.new_array(c, (1,), a)
+                rc.kernel("ce", xv.dtype, f"cl::ce_aux<{a.ctype}>").launch(
+                    c.device, 1, 1024, c.stream, rc.pack(
+                        {"target": tv.ptr, "scale": sv.ptr}, lay, ignore_index=ignore_index,
+                        flags=flags))
+            k = rc.kernel("ce", xv.dtype, f"cl::ce_backward<{xv.dtype.ctype}>")
+            v = 16 // xv.dtype.itemsize
+            tiles = -(-(lay.cols + v) // (v * CEB_SLOTS))
+            k.launch(c.device, min(rows, 2**31 - 1), CEB_THREADS, c.stream, rc.pack(
+                {"in0": xv.ptr, "out0": ov.ptr, "target": tv.ptr, "st0": lv.ptr,
+                 "loss": gv.ptr if gv is not None else 0,
+                 "scale": sv.ptr if sv is not None else 0},
+                lay, ignore_index=ignore_index, flags=flags,
+                eps=scalar if scalar is not None else 0.0, smooth=label_smoothing),
+                grid_yz=(min(tiles, 65535), 1))
+    return oobj if out is not None else rc.finish(c, oobj)
+
+
+#: flags bit of ce_backward: the loss gradient is of the logits' dtype (else float32/64)
+FLAG_DLOSS_T = 8
+#: CEB_THREADS, CEB_U in cupylab_ce_backward.cuh: threads per block, 16-byte slots per thread
+#: in a tile (CEB_SLOTS = slots per block tile)
+CEB_THREADS, CEB_U = 256, 4
+CEB_SLOTS = CEB_THREADS * CEB_U
+
+
+def check_options(op, ignore_index, label_smoothing, reduction):
+    """The scalar arguments: ``reduction`` one of "mean", "sum", "none"; ``label_smoothing`` a
+    real number in [0, 1]; ``ignore_index`` an int (not a bool) that 64 bits hold."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS} (got {reduction!r})")
+    what = "a number in [0, 1]"
+    if not 0.0 <= rc.real_value(op, "label_smoothing", label_smoothing, what) <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be {what} (got {label_smoothing!r})")
+    if not isinstance(ignore_index, numbers.Integral) or type(ignore_index).__name__ in (
+            "bool", "bool_"):
+        raise TypeError(f"{op}: ignore_index must be an int (got {ignore_index!r})")
+    if not -2**63 <= int(ignore_index) < 2**63:
+        raise ValueError(f"{op}: ignore_index must fit in 64 bits (got {ignore_index!r})")
 
 
 def check_arrays(op, xv, tv):

@@ -666,6 +666,42 @@ def _register():
 
         return factory
 
+    # -- cross-entropy backward from the forward's log-sum-exp (made once, untimed) ----------
+    ce_lse = per_input(lambda x: xent.cross_entropy(x, ce_targets(x), reduction="sum",
+                                                    return_lse=True)[1])
+
+    def ce_bwd(x, out=None):
+        return xent.cross_entropy_backward(x, ce_targets(x), ce_lse(x), reduction="sum",
+                                           out=out)
+
+    def ce_bwd_eager(torch, x, out=None):
+        """torch's eager backward of ``F.cross_entropy(reduction="sum")``: nll_loss's
+        gradient (zeros, -1 at the target), then log_softmax's backward from its saved
+        output (made once, untimed)."""
+        t = row_classes(x).unsqueeze(-1)
+        lsm = torch.log_softmax(x, -1)
+
+        def run():
+            g = torch.zeros_like(lsm).scatter_(-1, t, -1.0)
+            return torch._log_softmax_backward_data(g, lsm, -1, x.dtype)
+
+        return run
+
+    def ce_bwd_compiled(torch, x, out=None):
+        """The same gradient as torch.compile's backward computes it: one fused kernel from
+        the logits and the float32 log-sum-exp (made once, untimed)."""
+        t = row_classes(x)
+        lse = torch.logsumexp(x.to(torch.float64 if x.dtype == torch.float64
+                                   else torch.float32), -1)
+
+        def grad(a, b, s):
+            p = torch.exp(a.to(s.dtype) - s.unsqueeze(-1))
+            hit = torch.arange(a.shape[-1], device=a.device) == b.unsqueeze(-1)
+            return (p - hit.to(s.dtype)).to(a.dtype)
+
+        f = torch.compile(grad)
+        return lambda: f(x, t, lse)
+
     specs = [
         ("softmax", softmax, 1, lambda i: 2 * i, 5, peers(lambda t, x: t.softmax(x, -1)),
          "softmax over the last axis"),
@@ -694,6 +730,11 @@ def _register():
         ("cross_entropy", ce, 1, lambda i: 2 * i, 7,
          {"torch": ce_peer(False), "torch.compile": ce_peer(True)},
          "loss and dlogits in one pass (reduction='sum'; targets made once, untimed)"),
+        # peers: torch's eager backward (nll_loss then log_softmax), torch.compile's formula
+        ("cross_entropy_backward", ce_bwd, 1, lambda i: 2 * i, 5,
+         {"torch": ce_bwd_eager, "torch.compile": ce_bwd_compiled},
+         "dlogits of reduction='sum' from the logits and the forward's log-sum-exp (made "
+         "once, untimed): one read, one write"),
     ]
     for name, fn, nin, bpe, flops, pe, desc in specs:
         spec = register(OpSpec(name, fn, nin, f"rows:{name}", floats, bytes_per_element=bpe,

@@ -8,14 +8,14 @@ statistics and the tensors the formula needs, never a recomputed activation) and
   torch.compile traces the backward into calls of registered operators;
 * the eager ``torch.autograd.Function`` classes built here (:data:`FUNCTIONS`) pass
   :mod:`cupylab.torch._kernels`, which launches the same kernels without the dispatcher. They
-  return the differentiable outputs only: a norm's statistics and cross-entropy's ``dlogits``
+  return the differentiable outputs only: a norm's statistics and cross-entropy's ``lse``
   are saved in the context, not returned (each extra output costs autograd host time).
 
 The forward of a Function is the function of the same name in :mod:`cupylab.torch._kernels`,
 the real implementation of the registered operator too. Gradients of unused outputs arrive as
 None (``set_materialize_grads(False)``: no zero tensors are made for them). Elementwise
 gradients are torch operations, reduced to each input's shape with ``sum_to_size`` and cast to
-its dtype. Statistics outputs (``rstd``, ``mean``) and cross-entropy's ``dlogits`` are
+its dtype. Statistics outputs (``rstd``, ``mean``, cross-entropy's ``lse``) are
 non-differentiable. Double backward (``create_graph=True``): the elementwise operators' eager
 backward is differentiable; the row-wise operators' gradients raise when differentiated again.
 """
@@ -121,11 +121,10 @@ def _add_rms_norm_backward(k, ctx, dy, dh, _drstd):
     return (g if need[0] else None), (g if need[1] else None), dw, None
 
 
-# -- cross-entropy: the gradient was written by the forward -----------------------------------
+# -- cross-entropy: the forward saves the logits and the log-sum-exp ------------------------
 class _NoDoubleBackward(torch.autograd.Function):
     """The gradient passed through; differentiating it again raises. The backwards of the
-    row-wise operators are cupylab kernels, which have no graph of their own (cross-entropy's
-    scales the gradient its forward wrote): without this a second differentiation
+    row-wise operators are cupylab kernels, which have no graph of their own: without this a second differentiation
     (``create_graph=True``) would silently leave out their second derivatives."""
 
     @staticmethod
@@ -150,38 +149,25 @@ def no_double_backward(name, grads):
 def _cross_entropy_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(output[1])
-    ctx.reduction = inputs[3]
+    ctx.ignore_index, ctx.reduction, ctx.label_smoothing = inputs[2], inputs[3], inputs[4]
     ctx.has_grad = bool(inputs[5])
-    ctx.unscaled = _kernels.unscaled_mean(output[1].dtype, inputs[3])
-    if ctx.unscaled:  # the backward divides by the count of kept rows
-        ctx.ignore_index = inputs[2]
-        ctx.save_for_backward(output[1], inputs[1])
-    else:
-        ctx.save_for_backward(output[1])
+    if ctx.has_grad:  # the logits (not a gradient written ahead) and the row statistics
+        ctx.save_for_backward(inputs[0], inputs[1], output[1])
 
 
-def _cross_entropy_backward(k, ctx, dloss, _ddlogits):
+def _cross_entropy_backward(k, ctx, dloss, _dlse):
     if dloss is None:
         return (None,) * 7
     if not ctx.has_grad:
         raise RuntimeError("cupylab::cross_entropy: the forward ran with compute_grad=False, "
-                           "so no input gradient was written; call it with compute_grad=True "
+                           "so no log-sum-exp was saved; call it with compute_grad=True "
                            "to differentiate it")
-    dlogits = ctx.saved_tensors[0]
-    # the loss's gradient in float32 (float64), never rounded to the logits' 16-bit dtype
-    # first: GradScaler's 65536 overflows float16, and a bf16 1/3 is 0.2 % off
-    s = dloss.to(torch.float64 if dlogits.dtype == torch.float64 else torch.float32)
-    if ctx.unscaled:
-        s = s * _kernels.mean_scale(ctx.saved_tensors[1], ctx.ignore_index)
-    if ctx.reduction == "none":
-        s = s.unsqueeze(-1)
-    if k is _kernels:
-        # cupylab's multiply, not torch's: a tensor times a 0-d tensor runs at the bandwidth
-        # ceiling there (252 us for 8192 x 32000 bf16 on an H200; torch's broadcast kernel
-        # 570 us), computing in s's dtype and writing the logits' dtype in one pass
-        dx = k.scale_grad(dlogits, s)
-    else:  # traced (torch.compile): one fused elementwise kernel
-        dx = (dlogits.to(s.dtype) * s).to(dlogits.dtype)
+    logits, target, lse = ctx.saved_tensors
+    # one pass over the logits: softmax - onehot from the saved log-sum-exp, times the loss's
+    # gradient (read in float32, never rounded to the logits' 16-bit dtype first: GradScaler's
+    # 65536 overflows float16, and a bf16 1/3 is 0.2 % off)
+    dx = k.cross_entropy_backward(logits, target, lse, dloss, ctx.ignore_index, ctx.reduction,
+                                  ctx.label_smoothing)
     if _grad_enabled():  # create_graph=True: a second differentiation must raise, not drop
         (dx,) = no_double_backward("cross_entropy", (dx,))
     return (dx, None, None, None, None, None, None)
@@ -316,7 +302,7 @@ FORMULAS = {
 
 
 #: operator name -> (outputs the eager Function returns, outputs of the kernel function): the
-#: statistics (and cross-entropy's gradient written by the forward) stay in the context
+#: statistics (cross-entropy's log-sum-exp too) stay in the context
 #: instead of being returned as non-differentiable outputs, which costs autograd an output
 #: each
 _EAGER_OUTPUTS = {"rms_norm": (1, 2), "layer_norm": (1, 3), "add_rms_norm": (2, 3),

@@ -20,8 +20,8 @@ import cupylab
 
 __all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "rms_norm",
            "rms_norm_backward", "layer_norm", "layer_norm_backward", "add_rms_norm",
-           "add_rms_norm_", "cross_entropy", "cross_entropy_loss", "scale_grad", "mean_scale",
-           "unscaled_mean", "add", "subtract",
+           "add_rms_norm_", "cross_entropy", "cross_entropy_loss", "cross_entropy_backward",
+           "add", "subtract",
            "multiply", "divide", "fused_add_mul", "fused_add_mul_scalar"]
 
 
@@ -157,50 +157,36 @@ def cross_entropy_loss(logits, target, ignore_index, reduction, label_smoothing,
 
 def cross_entropy(logits, target, ignore_index, reduction, label_smoothing, compute_grad,
                   fp32_loss=False):
-    """``(loss, dlogits)`` with the class axis last: ``dlogits`` is the gradient of the
-    returned loss (of the sum of the row losses for ``"none"``), written during the forward
-    pass, or a (0,)-shaped tensor when ``compute_grad`` is false. ``loss`` is in the logits'
-    dtype, or float32 with ``fp32_loss``.
-
-    float16 logits with ``"mean"``: ``dlogits`` is the gradient of the *sum* (softmax minus
-    the smoothed one-hot, of order 1), which the backward divides by the count of kept rows
-    in float32 (:func:`mean_scale`): divided here, a large batch's small gradients would
-    fall below float16's range before any loss scale is applied."""
+    """``(loss, lse)`` with the class axis last: ``lse`` is the per-row log-sum-exp (float32,
+    float64 for float64 logits) that :func:`cross_entropy_backward` takes, or a (0,)-shaped
+    tensor when ``compute_grad`` is false. ``loss`` is in the logits' dtype, or float32 with
+    ``fp32_loss``. The logits are read once either way."""
     if not compute_grad:
         loss = cross_entropy_loss(logits, target, ignore_index, reduction, label_smoothing,
                                   fp32_loss)
         return loss, logits.new_empty((0,))
-    if unscaled_mean(logits.dtype, reduction):
-        loss, dx = cupylab.cross_entropy(_rows(logits), target, ignore_index, label_smoothing,
-                                         "sum", return_grad=True)
-        return _loss(loss * mean_scale(target, ignore_index, True), logits, fp32_loss), dx
-    loss, dx = cupylab.cross_entropy(_rows(logits), target, ignore_index, label_smoothing,
-                                     reduction, return_grad=True)
-    return _loss(loss, logits, fp32_loss), dx
+    loss, lse = cupylab.cross_entropy(_rows(logits), target, ignore_index, label_smoothing,
+                                      reduction, return_lse=True)
+    return _loss(loss, logits, fp32_loss), lse
 
 
-def unscaled_mean(dtype, reduction):
-    """Whether :func:`cross_entropy` leaves the mean's division to the backward."""
-    return dtype == torch.float16 and reduction == "mean"
-
-
-def mean_scale(target, ignore_index, for_loss=False):
-    """``1 / count`` of the rows not ignored, float32 on the target's device: for the
-    gradient 0 when every row is ignored (as torch's gradient), for the loss NaN then (as
-    torch's loss)."""
-    count = (target != ignore_index).sum(dtype=torch.float32)
-    inv = 1.0 / count
-    return inv if for_loss else torch.where(count > 0, inv, torch.zeros_like(inv))
-
-
-def scale_grad(g, s):
-    """``g * s`` computed in float32 (float64 for float64 ``g``) and written in ``g``'s dtype,
-    ``s`` a float32 (float64) tensor broadcast to ``g``: the loss's gradient is not rounded
-    to a 16-bit dtype before it multiplies (GradScaler's 65536 overflows float16)."""
-    out = torch.empty_like(g, memory_format=torch.contiguous_format)
-    # s may require grad (an incoming gradient that does, create_graph=True): the kernel
-    # reads its value; a second differentiation is refused by the caller
-    return cupylab.multiply(_d(g), _d(s), out=out, dtype=s.dtype)
+def cross_entropy_backward(logits, target, lse, dloss, ignore_index, reduction,
+                           label_smoothing):
+    """``dlogits``: the gradient of :func:`cross_entropy`'s loss times ``dloss`` (the loss's
+    incoming gradient: one value, or one a row for ``"none"``), from the saved logits and
+    ``lse`` in one pass (read the logits, write the gradient), computed in float32 (float64)
+    and rounded once to the logits' dtype: a loss scale never meets a rounded 16-bit
+    gradient."""
+    x = _rows(logits)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if dloss.requires_grad:  # create_graph=True: its value is read; the caller refuses a
+        dloss = dloss.detach()  # second differentiation
+    if dloss.dtype != x.dtype and dloss.dtype != acc:
+        dloss = dloss.to(acc)
+    if dloss.dim() > 1 and not dloss.is_contiguous() and any(dloss.stride()):
+        dloss = dloss.contiguous()  # leading dimensions that might not merge with the logits'
+    return cupylab.cross_entropy_backward(x, target, lse, dloss, ignore_index, label_smoothing,
+                                          reduction)
 
 
 # -- elementwise ------------------------------------------------------------------------------

@@ -33,11 +33,12 @@ where noted):
 ``add_rms_norm_``              ``(x, residual!, weight?, eps) -> y``; writes ``h`` into ``residual``
                                (mutates it; no autograd formula)
 ``cross_entropy``              ``(logits, target, ignore_index, reduction, label_smoothing,
-                               compute_grad) -> (loss, dlogits)``; class axis last; ``loss`` in the
-                               logits' dtype; ``dlogits`` (the gradient of ``loss``, written by the
-                               forward; for float16 logits with ``"mean"`` the gradient of the
-                               sum, which the backward divides in float32) is (0,)-shaped when
-                               ``compute_grad`` is false
+                               compute_grad, fp32_loss=False) -> (loss, lse)``; class axis last;
+                               ``loss`` in the logits' dtype (float32 with ``fp32_loss``); ``lse``
+                               the per-row log-sum-exp, (0,)-shaped when ``compute_grad`` is false
+``cross_entropy_backward``     ``(logits, target, lse, dloss, ignore_index, reduction,
+                               label_smoothing) -> dlogits``: the loss's gradient times ``dloss``
+                               in one pass over the logits
 ``add``, ``subtract``,         ``(a, b) -> out``: broadcasting, torch's type promotion
 ``multiply``, ``divide``
 ``fused_add_mul``              ``(a, b, s) -> (a + b) * s``; ``fused_add_mul_scalar`` takes a number
@@ -75,6 +76,9 @@ SCHEMAS = {
     "cross_entropy": ("(Tensor logits, Tensor target, int ignore_index, str reduction, "
                       "float label_smoothing, bool compute_grad, bool fp32_loss=False) -> "
                       "(Tensor, Tensor)", ()),
+    "cross_entropy_backward": ("(Tensor logits, Tensor target, Tensor lse, Tensor dloss, "
+                               "int ignore_index, str reduction, float label_smoothing) -> "
+                               "Tensor", ()),
     "add": ("(Tensor a, Tensor b) -> Tensor", ()),
     "subtract": ("(Tensor a, Tensor b) -> Tensor", ()),
     "multiply": ("(Tensor a, Tensor b) -> Tensor", ()),
@@ -135,7 +139,14 @@ def _cross_entropy_fake(logits, target, ignore_index, reduction, label_smoothing
                         compute_grad, fp32_loss=False):
     loss = logits.new_empty(logits.shape[:-1] if reduction == "none" else (),
                             dtype=torch.float32 if fp32_loss else logits.dtype)
-    return loss, logits.new_empty(logits.shape if compute_grad else (0,))
+    if not compute_grad:
+        return loss, logits.new_empty((0,))
+    return loss, logits.new_empty(logits.shape[:-1], dtype=_acc(logits))
+
+
+def _cross_entropy_bwd_fake(logits, target, lse, dloss, ignore_index, reduction,
+                            label_smoothing):
+    return logits.new_empty(logits.shape)
 
 
 def result_dtype(name, a, b, s=None):
@@ -165,7 +176,7 @@ _FAKES = {
     "rms_norm": _rms_norm_fake, "rms_norm_backward": _rms_norm_bwd_fake,
     "layer_norm": _layer_norm_fake, "layer_norm_backward": _layer_norm_bwd_fake,
     "add_rms_norm": _add_rms_norm_fake, "add_rms_norm_": _same,
-    "cross_entropy": _cross_entropy_fake,
+    "cross_entropy": _cross_entropy_fake, "cross_entropy_backward": _cross_entropy_bwd_fake,
     **{n: _binary_fake(n) for n in ("add", "subtract", "multiply", "divide", "fused_add_mul",
                                     "fused_add_mul_scalar")},
 }

@@ -405,9 +405,10 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     """Softmax cross-entropy against class indices, like ``torch.nn.functional.cross_entropy``
     (same parameters in the same order; no class weights).
 
-    The forward pass writes the gradient of the loss with respect to ``input`` while it reads
-    the logits (cupylab's ``cross_entropy(..., return_grad=True)``) when ``input`` requires
-    grad; the backward multiplies it by the output gradient. The logits are read once.
+    When ``input`` requires grad, the forward reads the logits once and keeps the per-row
+    log-sum-exp beside them (cupylab's ``cross_entropy(..., return_lse=True)``); the backward
+    computes the gradient times the output gradient in one pass over the saved logits
+    (``cupylab.cross_entropy_backward``): three passes over logits-sized memory in all.
 
     Parameters
     ----------
