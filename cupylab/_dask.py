@@ -301,15 +301,18 @@ def _rows_call(fn, axis, kwargs, *blocks):
     return fn(*blocks, **kwargs)
 
 
-def cross_entropy(fn, logits, target, ignore_index, label_smoothing, reduction, refuse, stream):
+def cross_entropy(fn, logits, target, ignore_index, label_smoothing, reduction, refuse, stream,
+                  return_lse=False):
     """The lazy Dask array of ``fn`` (:func:`cupylab.cross_entropy`) on ``logits`` / ``target``
     (either or both Dask arrays): per chunk of rows the per-row losses (``reduction="none"``,
     the class axis made whole as in :func:`rowwise`, the target's row chunks aligned with the
     logits'), then Dask's own sum for ``"sum"``, and that sum divided by Dask's count of the
-    rows not ignored for ``"mean"``. ``refuse``: ``(parameter, value)`` pairs that cannot be
-    honoured on Dask arrays (the gradient and logsumexp outputs). The eager operator's checks
-    of the arrays run first (logits of a float dtype, at least 1-D, with classes; target int64
-    or int32, of shape ``logits.shape[:-1]``); it has checked the other arguments.
+    rows not ignored for ``"mean"``. With ``return_lse``, ``(loss, lse)``: each chunk's call
+    returns both, stacked on a last axis of 2 that the two results are sliced from.
+    ``refuse``: ``(parameter, value)`` pairs that cannot be honoured on Dask arrays (the
+    gradient output). The eager operator's checks of the arrays run first (logits of a float
+    dtype, at least 1-D, with classes; target int64 or int32, of shape
+    ``logits.shape[:-1]``); it has checked the other arguments.
     """
     name = "cross_entropy"
     _refuse_out_stream(name, None, stream)
@@ -331,20 +334,95 @@ def cross_entropy(fn, logits, target, ignore_index, label_smoothing, reduction, 
     t = t.rechunk(x.chunks[:-1])
     acc = x.dtype if x.dtype.itemsize == 8 else _np_float32()
     rows = tuple(range(nd - 1))
-    loss = da.blockwise(functools.partial(_ce_call, fn, ignore_index, label_smoothing), rows,
-                        x, rows + (nd - 1,), t, rows, dtype=acc, concatenate=True,
-                        meta=meta_from_array(x._meta, ndim=nd - 1, dtype=acc))
-    if reduction == "none":
-        return loss
-    total = loss.sum(dtype=acc)
-    if reduction == "sum":
-        return total
-    return (total / (t != ignore_index).sum()).astype(acc)
+    call = functools.partial(_ce_call, fn, ignore_index, label_smoothing, return_lse)
+    if return_lse:  # (rows..., 2): the loss and the lse of each row
+        both = da.blockwise(call, rows + (nd,), x, rows + (nd - 1,), t, rows, dtype=acc,
+                            concatenate=True, new_axes={nd: 2},
+                            meta=meta_from_array(x._meta, ndim=nd, dtype=acc))
+        loss, lse = both[..., 0], both[..., 1]
+    else:
+        loss = da.blockwise(call, rows, x, rows + (nd - 1,), t, rows, dtype=acc,
+                            concatenate=True, meta=meta_from_array(x._meta, ndim=nd - 1,
+                                                                   dtype=acc))
+    if reduction != "none":
+        total = loss.sum(dtype=acc)
+        loss = total if reduction == "sum" else (total / (t != ignore_index).sum()).astype(acc)
+    return (loss, lse) if return_lse else loss
 
 
-def _ce_call(fn, ignore_index, label_smoothing, logits, target):
-    return fn(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-              reduction="none")
+def _ce_call(fn, ignore_index, label_smoothing, return_lse, logits, target):
+    r = fn(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+           reduction="none", return_lse=return_lse)
+    if not return_lse:
+        return r
+    import numpy as np  # noqa: PLC0415 - dispatches to the chunk's array type (NEP 18)
+
+    return np.stack(r, axis=-1)
+
+
+def cross_entropy_backward(fn, logits, target, lse, grad_loss, ignore_index, label_smoothing,
+                           reduction, out, stream):
+    """The lazy gradient of ``fn`` (:func:`cupylab.cross_entropy_backward`) on Dask arrays:
+    chunk by chunk of rows (the class axis whole as in :func:`rowwise`; the target, ``lse``
+    and a per-row ``grad_loss`` aligned with the logits' rows), each chunk's call made with
+    ``reduction="sum"`` and the loss gradient it must scale by. For ``"mean"`` that is
+    ``grad_loss`` times ``1 / (Dask's count of the rows not ignored)`` (0 when none is), a
+    0-d Dask array every chunk's task receives; a number or a GPU array ``grad_loss`` goes to
+    every chunk as it is. The eager operator's checks run first (the arrays as in
+    :func:`cross_entropy`; ``lse`` of the accumulation dtype and of shape
+    ``logits.shape[:-1]``, stricter than the eager operator's count, since chunks go by rows;
+    ``grad_loss``'s dtype and shape); it has checked the other arguments."""
+    name = "cross_entropy_backward"
+    _refuse_out_stream(name, out, stream)
+    import dask.array as da  # noqa: PLC0415
+    from dask.array.utils import meta_from_array  # noqa: PLC0415
+
+    from .ops import _rowcore as rc  # noqa: PLC0415
+    from .ops.cross_entropy import check_arrays, check_grad_loss  # noqa: PLC0415
+
+    xv = view(name, "logits", logits)
+    check_arrays(name, xv, view(name, "target", target))
+    rc.check_columns(name, xv.shape, "logits has no classes")
+    lead = xv.shape[:-1]
+    lv = view(name, "lse", lse)
+    if lv.shape != lead:
+        raise ValueError(f"{name}: lse must have shape {lead} (one value per row); got "
+                         f"{lv.shape}")
+    acc = rc.acc_dtype(xv.dtype)
+    rc.check_stats(name, "lse", lv, math.prod(lead), acc)
+    g = grad_loss
+    if g is not None and not _is_scalar(g):
+        check_grad_loss(name, view(name, "grad_loss", g), xv, acc, reduction)
+    nd = xv.ndim
+    x = _whole_rows(name, "logits", _as_dask(logits, f"{name}: logits"), nd - 1)
+    rows = tuple(range(nd - 1))
+    t = _as_dask(target, f"{name}: target", view=True).rechunk(x.chunks[:-1])
+    ls = _as_dask(lse, f"{name}: lse").rechunk(x.chunks[:-1])
+    npacc = x.dtype if x.dtype.itemsize == 8 else _np_float32()
+    if reduction == "mean":
+        count = (t != ignore_index).sum()
+        scale = da.where(count > 0, 1.0 / count, 0.0).astype(npacc)
+        g = scale if g is None else scale * (g if _is_scalar(g) else _as_dask(
+            g, f"{name}: grad_loss").astype(npacc))
+    elif g is not None and not _is_scalar(g) and (is_dask(g) or len(g.shape)):
+        g = _as_dask(g, f"{name}: grad_loss")
+    args = [x, rows + (nd - 1,), t, rows, ls, rows]
+    if is_dask(g):
+        args += [g.rechunk(x.chunks[:-1]) if g.ndim else g, rows if g.ndim else ()]
+        kw = {}
+    else:
+        kw = {"grad_loss": g}
+    call = functools.partial(_ceb_call, fn, ignore_index, label_smoothing, kw)
+    return da.blockwise(call, rows + (nd - 1,), *args, dtype=x.dtype, concatenate=True,
+                        name=_key(name, [g] if not is_dask(g) else []),
+                        meta=meta_from_array(x._meta, ndim=nd, dtype=x.dtype))
+
+
+def _ceb_call(fn, ignore_index, label_smoothing, kw, logits, target, lse, *grad):
+    g = grad[0] if grad else kw.get("grad_loss")
+    red = "sum" if grad == () or getattr(g, "ndim", 0) == 0 else "none"
+    return fn(logits, target, lse, g, ignore_index=ignore_index,
+              label_smoothing=label_smoothing, reduction=red)
 
 
 def _as_dask(a, what="operand", view=False):

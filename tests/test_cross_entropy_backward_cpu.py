@@ -89,11 +89,16 @@ def test_out_must_not_overlap_the_other_inputs(sim):
     assert sim["launches"] == []
 
 
-def test_dask_arrays_are_refused_by_name():
+def test_dask_arrays_build_a_lazy_gradient():
+    """With a Dask array among the operands the result is lazy (built without a GPU; the
+    graph's wiring is tested in test_dask_cpu.py); a bad number is refused when it is made."""
     da = pytest.importorskip("dask.array")
-    x = da.zeros((4, 8), chunks=2)
-    with pytest.raises(TypeError, match=f"^{OP}: Dask arrays are not supported"):
-        cupylab.cross_entropy_backward(x, x, x)
+    x = da.zeros((4, 8), chunks=2, dtype="f4")
+    t = da.zeros((4,), chunks=2, dtype="i8")
+    g = cupylab.cross_entropy_backward(x, t, da.zeros((4,), chunks=2, dtype="f4"))
+    assert isinstance(g, da.Array) and g.shape == (4, 8) and g.dtype == np.float32
+    with pytest.raises(ValueError, match=f"^{OP}: grad_loss must be a finite number"):
+        cupylab.cross_entropy_backward(x, t, x[:, 0], float("nan"))
 
 
 def test_launch_arguments_sum_with_a_number(sim):

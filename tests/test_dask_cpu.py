@@ -314,14 +314,16 @@ def numpy_ce(monkeypatch):
     """Each chunk's cross-entropy done by NumPy (per-row losses, as the GPU call returns)."""
     seen = []
 
-    def ce_call(fn, ignore_index, label_smoothing, logits, target):
+    def ce_call(fn, ignore_index, label_smoothing, return_lse, logits, target):
         seen.append((logits.shape, target.shape))
         x, t = np.asarray(logits, np.float64), np.asarray(target)
         lse = np.log(np.exp(x).sum(-1))
         pick = np.take_along_axis(x, np.clip(t, 0, x.shape[-1] - 1)[..., None], -1)[..., 0]
         s = label_smoothing
         loss = (1 - s) * (lse - pick) + s * (lse - x.mean(-1))
-        return np.where(t == ignore_index, 0.0, loss).astype(np.float32).view(Chunk)
+        loss = np.where(t == ignore_index, 0.0, loss)
+        out = np.stack([loss, lse], -1) if return_lse else loss
+        return out.astype(np.float32).view(Chunk)
 
     monkeypatch.setattr(_dask, "_ce_call", ce_call)
     return seen
@@ -349,12 +351,110 @@ def test_cross_entropy_per_chunk_then_dask_reductions(numpy_ce, reduction):
     assert all(xs[-1] == 33 and xs[:-1] == ts for xs, ts in numpy_ce)  # whole rows, aligned
 
 
+def _ce_rows(x, t, s=0.0, ii=-100):
+    """float64 per-row loss, lse and gradient (softmax - smoothed onehot, 0 where ignored)."""
+    x = x.astype(np.float64)
+    lse = np.log(np.exp(x).sum(-1))
+    tc = np.clip(t, 0, x.shape[-1] - 1)
+    row = (1 - s) * (lse - np.take_along_axis(x, tc[..., None], -1)[..., 0]) + s * (
+        lse - x.mean(-1))
+    g = np.exp(x - lse[..., None]) - s / x.shape[-1]
+    np.put_along_axis(g, tc[..., None], np.take_along_axis(g, tc[..., None], -1) - (1 - s), -1)
+    keep = t != ii
+    return np.where(keep, row, 0.0), lse, g * keep[..., None]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_returns_the_lse_per_chunk(numpy_ce, reduction):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 9, 17)).astype(np.float32)
+    t = rng.integers(0, 17, (6, 9))
+    t[1, :3] = -100
+    loss, lse = cupylab.cross_entropy(chunked(x, (4, 5, 9)), chunked(t, (3, 9)),
+                                      reduction=reduction, return_lse=True)
+    assert lse.shape == (6, 9) and lse.dtype == np.float32 and type(lse._meta) is Chunk
+    row, want_lse, _ = _ce_rows(x, t)
+    lv, sv = dask.compute(loss, lse, scheduler="sync")
+    np.testing.assert_allclose(np.asarray(sv), want_lse, rtol=1e-5)
+    want = row if reduction == "none" else row.sum() / (t != -100).sum()
+    np.testing.assert_allclose(np.asarray(lv), want, rtol=1e-5)
+
+
+@pytest.fixture
+def numpy_ce_bwd(monkeypatch):
+    """Each chunk's cross_entropy_backward done by NumPy, with the reduction and the loss
+    gradient the chunk's call is given (recorded)."""
+    seen = []
+
+    def ceb_call(fn, ignore_index, label_smoothing, kw, logits, target, lse, *grad):
+        g = grad[0] if grad else kw.get("grad_loss")
+        seen.append((logits.shape, target.shape, lse.shape,
+                     None if g is None else np.shape(g)))
+        x, t = np.asarray(logits, np.float64), np.asarray(target)
+        gr = np.exp(x - np.asarray(lse, np.float64)[..., None]) - label_smoothing / x.shape[-1]
+        tc = np.clip(t, 0, x.shape[-1] - 1)
+        np.put_along_axis(gr, tc[..., None], np.take_along_axis(gr, tc[..., None], -1)
+                          - (1 - label_smoothing), -1)
+        gv = 1.0 if g is None else np.asarray(g, np.float64)
+        gr = gr * (t != ignore_index)[..., None] * (gv[..., None] if np.ndim(gv) else gv)
+        return gr.astype(x.dtype if logits.dtype == np.float64 else np.float32).view(Chunk)
+
+    monkeypatch.setattr(_dask, "_ceb_call", ceb_call)
+    return seen
+
+
+@pytest.mark.parametrize("reduction,grad", [("mean", None), ("mean", 2.5), ("sum", None),
+                                            ("none", "rows"), ("mean", "dask0d")])
+def test_cross_entropy_backward_on_chunks(numpy_ce_bwd, reduction, grad):
+    """The gradient chunk by chunk of rows, the target, lse and a per-row loss gradient
+    aligned with the logits' rows; for "mean" the loss gradient given to every chunk is
+    times 1 / (Dask's count of the kept rows over all chunks)."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((5, 8, 13)).astype(np.float32)
+    t = rng.integers(0, 13, (5, 8))
+    t[2, :5] = -100
+    _, lse, g = _ce_rows(x, t, 0.1)
+    gl = {None: None, 2.5: 2.5, "rows": rng.standard_normal((5, 8)).astype(np.float32),
+          "dask0d": np.float32(3.0)}[grad]
+    arg = chunked(gl, (2, 3)) if grad == "rows" else (
+        chunked(np.asarray(gl), ()) if grad == "dask0d" else gl)
+    got = cupylab.cross_entropy_backward(
+        chunked(x, (2, 4, 13)), chunked(t, (5, 8)), chunked(lse.astype(np.float32), (3, 8)),
+        arg, label_smoothing=0.1, reduction=reduction)
+    assert got.shape == x.shape and got.dtype == np.float32 and type(got._meta) is Chunk
+    scale = 1.0 / (t != -100).sum() if reduction == "mean" else 1.0
+    mult = (np.asarray(gl, np.float64)[..., None] if grad == "rows" else
+            (1.0 if gl is None else float(gl)))
+    np.testing.assert_allclose(np.asarray(got.compute(scheduler="sync")), g * scale * mult,
+                               rtol=1e-5, atol=1e-7)
+    # whole rows; the targets, lse and per-row gradients in the logits' row chunks
+    assert all(xs[-1] == 13 and xs[:-1] == ts == ls for xs, ts, ls, _ in numpy_ce_bwd)
+    if grad == "rows":
+        assert all(gs == ts for _, ts, _, gs in numpy_ce_bwd)
+    elif reduction == "mean" or grad is not None:
+        assert all(gs in ((), None) for *_, gs in numpy_ce_bwd)
+
+
 def test_cross_entropy_dask_errors():
     x = chunked(np.ones((4, 6), np.float32), (2, 3))
     with pytest.raises(ValueError, match=r"cross_entropy: target must have shape \(4,\)"):
         cupylab.cross_entropy(x, chunked(np.zeros(5, np.int64), 5))
-    with pytest.raises(TypeError, match="cross_entropy: return_lse=True is not supported"):
-        cupylab.cross_entropy(x, chunked(np.zeros(4, np.int64), 2), return_lse=True)
+    t = chunked(np.zeros(4, np.int64), 2)
+    with pytest.raises(TypeError, match="cross_entropy: return_grad=True is not supported"):
+        cupylab.cross_entropy(x, t, return_grad=True)
+    lse = chunked(np.zeros(4, np.float32), 2)
+    op = "cross_entropy_backward"
+    with pytest.raises(TypeError, match=f"{op}: out= is not supported"):
+        cupylab.cross_entropy_backward(x, t, lse, out=x)
+    with pytest.raises(ValueError, match=rf"{op}: lse must have shape \(4,\)"):
+        cupylab.cross_entropy_backward(x, t, chunked(np.zeros((2, 2), np.float32), 2))
+    with pytest.raises(TypeError, match=f"{op}: lse must be float32"):
+        cupylab.cross_entropy_backward(x, t, chunked(np.zeros(4, np.float64), 2))
+    with pytest.raises(ValueError, match=rf"{op}: grad_loss must have shape \(\) for "
+                                         "reduction='mean'"):
+        cupylab.cross_entropy_backward(x, t, lse, chunked(np.ones(4, np.float32), 2))
+    with pytest.raises(TypeError, match=f"{op}: grad_loss must be a real number"):
+        cupylab.cross_entropy_backward(x, t, lse, True)
     with pytest.raises(TypeError, match="cross_entropy: stream= is not supported"):
         cupylab.cross_entropy(x, chunked(np.zeros(4, np.int64), 2), stream=0)
 

@@ -78,6 +78,30 @@ def test_add_rms_norm_and_cross_entropy_on_chunks():
                                                               label_smoothing=0.1), rtol=1e-5)
 
 
+def test_cross_entropy_lse_and_backward_on_chunks():
+    """return_lse on chunks, then the backward from it: the same gradients as one array's,
+    for the three reductions (the mean's count over every chunk) and a per-row gradient."""
+    a, _, _ = _data((1000, 257))
+    t = cp.random.default_rng(15).integers(0, 257, 1000).astype(cp.int64)
+    t[::7] = -100
+    x = da.from_array(a, chunks=(300, 100), asarray=False)
+    td = da.from_array(t, chunks=400, asarray=False)
+    loss, lse = cupylab.cross_entropy(x, td, label_smoothing=0.1, return_lse=True)
+    loss1, lse1 = cupylab.cross_entropy(a, t, label_smoothing=0.1, return_lse=True)
+    got_loss, got_lse = da.compute(loss, lse, scheduler="threads")
+    cp.testing.assert_allclose(got_lse, lse1, rtol=1e-6)
+    cp.testing.assert_allclose(got_loss, loss1, rtol=1e-5)
+    gr = cp.random.default_rng(16).standard_normal(1000, dtype=cp.float32)
+    for red, g in (("mean", None), ("mean", 2.0), ("sum", None),
+                   ("none", da.from_array(gr, chunks=500, asarray=False))):
+        got = cupylab.cross_entropy_backward(x, td, lse, g, label_smoothing=0.1, reduction=red)
+        assert isinstance(got._meta, cp.ndarray)
+        got = got.compute(scheduler="threads")
+        want = cupylab.cross_entropy_backward(a, t, lse1, gr if red == "none" else g,
+                                              label_smoothing=0.1, reduction=red)
+        cp.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+
+
 def test_norm_backward_on_chunks():
     a, _, w = _data((1000, 257))
     dy = cp.random.default_rng(14).standard_normal(a.shape, dtype=cp.float32)

@@ -74,10 +74,9 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
     check_options(op, ignore_index, label_smoothing, reduction)
     return_grad = return_grad or grad_out is not None
     if _dask.is_dask(logits) or _dask.is_dask(target):
-        refuse = [(k, v) for k, v in (("return_grad", return_grad), ("return_lse", return_lse))
-                  if v]
+        refuse = [("return_grad", return_grad)] if return_grad else []
         return _dask.cross_entropy(cross_entropy, logits, target, ignore_index,
-                                   label_smoothing, reduction, refuse, stream)
+                                   label_smoothing, reduction, refuse, stream, return_lse)
     c = rc.gather(op, {"logits": logits, "target": target, "grad_out": grad_out}, stream,
                   required=2)
     xv, tv = c.views["logits"], c.views["target"]
@@ -171,13 +170,15 @@ def cross_entropy_backward(logits, target, lse, grad_loss=None, ignore_index=-10
     Returns
     -------
     dlogits : array of the logits' shape and dtype, in the caller's framework (``out`` when
-        given).
+        given); lazy when any array is a Dask array (chunk by chunk of rows, the mean's count
+        of kept rows taken by Dask over all of them; ``lse`` must then have the shape
+        ``logits.shape[:-1]``).
 
     Raises
     ------
     TypeError
-        Arrays that are not GPU arrays, unsupported dtypes, Dask arrays (the Dask form of
-        the forward returns no ``lse``), torch tensors that require grad.
+        Arrays that are not GPU arrays, unsupported dtypes, torch tensors that require grad;
+        with Dask arrays, ``out=`` or ``stream=``.
     ValueError
         Shapes that do not match, an ``lse`` that is not one contiguous value per row, an
         unknown ``reduction``, ``label_smoothing`` outside [0, 1], a bad ``out``, arrays on
@@ -186,8 +187,11 @@ def cross_entropy_backward(logits, target, lse, grad_loss=None, ignore_index=-10
     op = "cross_entropy_backward"
     check_options(op, ignore_index, label_smoothing, reduction)
     if any(_dask.is_dask(a) for a in (logits, target, lse, grad_loss, out)):
-        raise TypeError(f"{op}: Dask arrays are not supported (cross_entropy on Dask arrays "
-                        "returns no lse); call it on each chunk's arrays")
+        if isinstance(grad_loss, numbers.Number):
+            rc.real_value(op, "grad_loss", grad_loss, "a finite number")
+        return _dask.cross_entropy_backward(cross_entropy_backward, logits, target, lse,
+                                            grad_loss, ignore_index, label_smoothing,
+                                            reduction, out, stream)
     gl_array = grad_loss is not None and not isinstance(grad_loss, numbers.Number)
     scalar = 1.0 if grad_loss is None else (
         None if gl_array else rc.real_value(op, "grad_loss", grad_loss, "a finite number"))
@@ -207,15 +211,7 @@ def cross_entropy_backward(logits, target, lse, grad_loss=None, ignore_index=-10
     flags = rc.FLAG_TARGET_I32 if tv.dtype is rc.I32 else 0
     extra = [tv]
     if gv is not None:
-        if gv.dtype is not xv.dtype and gv.dtype is not a:
-            want = a.name if xv.dtype is a else f"{xv.dtype.name} or {a.name}"
-            raise TypeError(f"{op}: grad_loss must be {want} (got {gv.dtype.name})")
-        if gv.dtype is xv.dtype and xv.dtype is not a:
-            flags |= FLAG_DLOSS_T
-        if gv.shape != () and (reduction != "none" or gv.shape != lead):
-            want = "() or " + str(lead) if reduction == "none" else "()"
-            raise ValueError(f"{op}: grad_loss must have shape {want} for reduction="
-                             f"{reduction!r}; got {gv.shape}")
+        flags |= check_grad_loss(op, gv, xv, a, reduction)
         if gv.shape != ():
             extra.append(gv)
     if out is not None:
@@ -254,6 +250,21 @@ FLAG_DLOSS_T = 8
 #: in a tile (CEB_SLOTS = slots per block tile)
 CEB_THREADS, CEB_U = 256, 4
 CEB_SLOTS = CEB_THREADS * CEB_U
+
+
+def check_grad_loss(op, gv, xv, a, reduction):
+    """The loss gradient's view ``gv``: of the logits' dtype or the accumulation dtype ``a``,
+    shape ``()`` (or ``logits.shape[:-1]`` for ``"none"``). Returns the flags bit that says
+    it is of the logits' dtype (:data:`FLAG_DLOSS_T`, 0 when not)."""
+    if gv.dtype is not xv.dtype and gv.dtype is not a:
+        want = a.name if xv.dtype is a else f"{xv.dtype.name} or {a.name}"
+        raise TypeError(f"{op}: grad_loss must be {want} (got {gv.dtype.name})")
+    lead = xv.shape[:-1]
+    if gv.shape != () and (reduction != "none" or gv.shape != lead):
+        want = "() or " + str(lead) if reduction == "none" else "()"
+        raise ValueError(f"{op}: grad_loss must have shape {want} for reduction="
+                         f"{reduction!r}; got {gv.shape}")
+    return FLAG_DLOSS_T if gv.dtype is xv.dtype and xv.dtype is not a else 0
 
 
 def check_options(op, ignore_index, label_smoothing, reduction):
