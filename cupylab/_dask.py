@@ -332,7 +332,7 @@ def cross_entropy(fn, logits, target, ignore_index, label_smoothing, reduction, 
     nd = x.ndim
     x = _whole_rows(name, "logits", x, nd - 1)
     t = t.rechunk(x.chunks[:-1])
-    acc = x.dtype if x.dtype.itemsize == 8 else _np_float32()
+    acc = _np_acc(x.dtype)
     rows = tuple(range(nd - 1))
     call = functools.partial(_ce_call, fn, ignore_index, label_smoothing, return_lse)
     if return_lse:  # (rows..., 2): the loss and the lse of each row
@@ -398,7 +398,7 @@ def cross_entropy_backward(fn, logits, target, lse, grad_loss, ignore_index, lab
     rows = tuple(range(nd - 1))
     t = _as_dask(target, f"{name}: target", view=True).rechunk(x.chunks[:-1])
     ls = _as_dask(lse, f"{name}: lse").rechunk(x.chunks[:-1])
-    npacc = x.dtype if x.dtype.itemsize == 8 else _np_float32()
+    npacc = _np_acc(x.dtype)
     if reduction == "mean":
         count = (t != ignore_index).sum()
         scale = da.where(count > 0, 1.0 / count, 0.0).astype(npacc)
@@ -476,10 +476,12 @@ def _one_chunk(a):
                     meta=np.empty((0,) * len(shape), npdt))
 
 
-def _np_float32():
+def _np_acc(dtype):
+    """The NumPy dtype of the statistics, losses and sums for data of ``dtype`` (rc.acc_dtype's
+    rule): float64 for float64, else float32."""
     import numpy as np  # noqa: PLC0415
 
-    return np.dtype(np.float32)
+    return np.dtype(dtype) if np.dtype(dtype).itemsize == 8 else np.dtype(np.float32)
 
 
 def norm_backward(name, fn, dy, x, weight, stats, stream, weight_grad=True):
@@ -539,7 +541,7 @@ def norm_backward(name, fn, dy, x, weight, stats, stream, weight_grad=True):
     if weight is None or not weight_grad:
         return (dx, None, None) if len(stats) == 2 else (dx, None)
     k = len(stats)  # weight gradients: dweight, and dbias for layer_norm
-    acc = xd.dtype if xd.dtype.itemsize == 8 else _np_float32()  # rc.acc_dtype's rule
+    acc = _np_acc(xd.dtype)
     from ._elementwise_core import _np_dtype_for  # noqa: PLC0415
 
     wdt = view(name, "weight", weight, dask_ok=False).dtype  # a CAI weight has no .dtype

@@ -3,6 +3,7 @@ pass or computed afterwards from the forward's log-sum-exp (kernels in ``cuda_sr
 the row kernels with ``OP_CE``, ``ce_aux`` and ``ce_backward``)."""
 from __future__ import annotations
 
+import math
 import numbers
 
 from .. import _dask
@@ -105,14 +106,10 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
         red_obj, rv = rc.new_array(c, (), a)
     flags = rc.FLAG_TARGET_I32 if tv.dtype is rc.I32 else 0
     with rc._launch.ensure_device(c.device):
-        aux = rc.kernel("ce", xv.dtype, f"cl::ce_aux<{a.ctype}>")
         tptr = tv.ptr
         scale_obj = sv = None
         if return_grad and reduction == "mean" and rows:
-            scale_obj, sv = rc.new_array(c, (1,), a)
-            aux.launch(c.device, 1, 1024, c.stream, rc.pack(
-                {"target": tptr, "scale": sv.ptr}, lay, ignore_index=ignore_index,
-                flags=flags))
+            scale_obj, sv = _mean_scale(c, xv, tv, lay, ignore_index, flags)
         if rows:
             rc.launch_rows(c, rc.OP[op], xv.dtype, lay, lambda parts: rc.pack(
                 {"in0": xv.ptr, "out0": gv.ptr if gv is not None else 0, "target": tptr,
@@ -121,7 +118,7 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
                 lay, ignore_index=ignore_index, flags=flags, smooth=label_smoothing))
         if rv is not None:
             mean = rc.FLAG_MEAN if reduction == "mean" else 0
-            aux.launch(c.device, 1, 1024, c.stream, rc.pack(
+            rc.kernel("ce", xv.dtype, f"cl::ce_aux<{a.ctype}>").launch(c.device, 1, 1024, c.stream, rc.pack(
                 {"target": tptr, "loss": lv.ptr, "out0": rv.ptr}, lay,
                 ignore_index=ignore_index, flags=flags | mean))
     res = [rc.finish(c, red_obj if red_obj is not None else loss_obj)]
@@ -202,10 +199,7 @@ def cross_entropy_backward(logits, target, lse, grad_loss=None, ignore_index=-10
     check_arrays(op, xv, tv)
     rc.check_columns(op, xv.shape, "logits has no classes")
     a = rc.acc_dtype(xv.dtype)
-    lead = xv.shape[:-1]
-    rows = 1
-    for e in lead:
-        rows *= e
+    rows = math.prod(xv.shape[:-1])
     rc.check_stats(op, "lse", lv, rows, a)
     gv = c.views.get("grad_loss")
     flags = rc.FLAG_TARGET_I32 if tv.dtype is rc.I32 else 0
@@ -224,13 +218,9 @@ def cross_entropy_backward(logits, target, lse, grad_loss=None, ignore_index=-10
     lay = rc.row_layout(op, xv.shape, [xv, None, ov, None], -1, extra=tuple(extra))
     if rows:
         with rc._launch.ensure_device(c.device):
-            sv = None
+            scale_obj = sv = None
             if reduction == "mean":
-                _, sv = rc.new_array(c, (1,), a)
-                rc.kernel("ce", xv.dtype, f"cl::ce_aux<{a.ctype}>").launch(
-                    c.device, 1, 1024, c.stream, rc.pack(
-                        {"target": tv.ptr, "scale": sv.ptr}, lay, ignore_index=ignore_index,
-                        flags=flags))
+                scale_obj, sv = _mean_scale(c, xv, tv, lay, ignore_index, flags)
             k = rc.kernel("ce", xv.dtype, f"cl::ce_backward<{xv.dtype.ctype}>")
             v = 16 // xv.dtype.itemsize
             tiles = -(-(lay.cols + v) // (v * CEB_SLOTS))
@@ -250,6 +240,18 @@ FLAG_DLOSS_T = 8
 #: in a tile (CEB_SLOTS = slots per block tile)
 CEB_THREADS, CEB_U = 256, 4
 CEB_SLOTS = CEB_THREADS * CEB_U
+
+
+def _mean_scale(c, xv, tv, lay, ignore_index, flags):
+    """``1 / count`` of the rows not ignored (0 when none), written by ``ce_aux`` on
+    ``c.stream`` into a new one-element array of the accumulation dtype: ``(array, view)``;
+    the caller keeps the array until the kernels that read it are queued."""
+    a = rc.acc_dtype(xv.dtype)
+    obj, sv = rc.new_array(c, (1,), a)
+    rc.kernel("ce", xv.dtype, f"cl::ce_aux<{a.ctype}>").launch(
+        c.device, 1, 1024, c.stream, rc.pack({"target": tv.ptr, "scale": sv.ptr}, lay,
+                                             ignore_index=ignore_index, flags=flags))
+    return obj, sv
 
 
 def check_grad_loss(op, gv, xv, a, reduction):
