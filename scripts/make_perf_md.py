@@ -68,6 +68,8 @@ FILES = {  # stored file -> what it holds
     "rowwise_small.json": "row-wise forwards at decoding shapes (16 and 128 rows)",
     "rowwise_ce.json": "cross-entropy with its gradient, 128k vocabulary",
     "rowwise_ce_h100.json": "the same on an H100, the kernels of 2026-12-06 (ed7de5e)",
+    "rowwise_ce_bwd.json": "cross-entropy's forward (loss and log-sum-exp) and its one-pass "
+                           "backward beside torch eager and torch.compile (H100, fcf81fa)",
     "rowwise_small_h100.json": "decoding shapes again on an H100, 2026-12-06 (c73fd19)",
     "groups_after.json": "row-wise ops at the row lengths the two-rows-a-block classes serve",
     "groups_before.json": "the same cases in the same session, before those classes (1913d9a)",
