@@ -14,7 +14,8 @@ This script rewrites the lines between the markers from the ``cupylab-bench`` JS
 ``large16.json``, ``mixed.json``, ``rowwise_<x>.json`` (table ``rowwise-<x>``), the A/B pairs
 ``<x>_before.json`` / ``<x>_after.json`` (table ``rowwise-<x>-ab``; underscores in ``<x>`` as
 dashes in both), the Dask example's ``dask.json``, the
-training example's ``train_tiny_llm.json`` and ``train_tiny_llm_b64.json``,
+training example's ``train_tiny_llm.json``, ``train_tiny_llm_b64.json`` and
+``train_tiny_llm_b64_h100.json``,
 the multi-tensor bench's ``multi_tensor.json`` and the command file, and leaves every other
 line (the prose) alone. The per-case tables are formatted by :mod:`cupylab.bench._report`, the
 same code that prints them on the command line.
@@ -387,6 +388,7 @@ DASK = "dask.json"  # scripts/examples/dask_chain.py --json (its own schema)
 # scripts/examples/train_tiny_llm.py --json: the default (host-bound) batch and a GPU-bound one
 TRAIN = "train_tiny_llm.json"
 TRAIN_B64 = "train_tiny_llm_b64.json"
+TRAIN_B64_H100 = "train_tiny_llm_b64_h100.json"  # the same at batch 64 on an H100, fcf81fa
 MT = "multi_tensor.json"  # python -m cupylab.bench.multi_tensor --json (its own schema)
 MT_SCHEMA = "cupylab-multi-tensor/1"
 
@@ -460,7 +462,8 @@ TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           "dask": t_dask, "train": _train(TRAIN),
           **{f"rowwise-{x.replace('_', '-')}-ab": _ab(f"{x}_before.json", f"{x}_after.json")
              for x in AB},
-          "train-b64": _train(TRAIN_B64), "multi-tensor": t_mt,
+          "train-b64": _train(TRAIN_B64), "train-b64-h100": _train(TRAIN_B64_H100),
+          "multi-tensor": t_mt,
           **{f"rowwise-{x.replace('_', '-')}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 
 
@@ -473,7 +476,7 @@ def load_data(data_dir: Path) -> dict:
             raise ValueError("not schema cupylab-dask-example/1")
     except (OSError, ValueError) as e:
         raise DocError(f"{data_dir / DASK}: {e}") from None
-    for name in (TRAIN, TRAIN_B64, MT):
+    for name in (TRAIN, TRAIN_B64, TRAIN_B64_H100, MT):
         try:
             data[name] = json.loads((data_dir / name).read_text(encoding="utf-8"))
             if name == MT and data[name].get("schema") != MT_SCHEMA:
