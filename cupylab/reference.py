@@ -294,10 +294,9 @@ REFERENCES.update({
     # (cupylab.ops.rowwise._register), from the row alone as the sampled rows require.
     "rows:cross_entropy": lambda x: _cross_entropy_rows(
         x, np.signbit(x).sum(axis=-1) % np.shape(x)[-1])[2],
-    # the same gradient, computed by the backward from the forward's log-sum-exp
-    "rows:cross_entropy_backward": lambda x: _cross_entropy_rows(
-        x, np.signbit(x).sum(axis=-1) % np.shape(x)[-1])[2],
 })
+# the same gradient, computed by the backward from the forward's log-sum-exp
+REFERENCES["rows:cross_entropy_backward"] = REFERENCES["rows:cross_entropy"]
 #: The size of the terms a result is computed from, where it can be far larger than the result
 #: (cancellation: dx = y * (dy - s) with dy close to s). A correct float32 kernel's error is a
 #: few roundings of these terms, not of the result; cupylab-bench scales its tolerance by them.

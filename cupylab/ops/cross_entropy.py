@@ -118,7 +118,7 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
                 lay, ignore_index=ignore_index, flags=flags, smooth=label_smoothing))
         if rv is not None:
             mean = rc.FLAG_MEAN if reduction == "mean" else 0
-            rc.kernel("ce", xv.dtype, f"cl::ce_aux<{a.ctype}>").launch(c.device, 1, 1024, c.stream, rc.pack(
+            _aux(xv.dtype).launch(c.device, 1, 1024, c.stream, rc.pack(
                 {"target": tptr, "loss": lv.ptr, "out0": rv.ptr}, lay,
                 ignore_index=ignore_index, flags=flags | mean))
     res = [rc.finish(c, red_obj if red_obj is not None else loss_obj)]
@@ -246,12 +246,16 @@ def _mean_scale(c, xv, tv, lay, ignore_index, flags):
     """``1 / count`` of the rows not ignored (0 when none), written by ``ce_aux`` on
     ``c.stream`` into a new one-element array of the accumulation dtype: ``(array, view)``;
     the caller keeps the array until the kernels that read it are queued."""
-    a = rc.acc_dtype(xv.dtype)
-    obj, sv = rc.new_array(c, (1,), a)
-    rc.kernel("ce", xv.dtype, f"cl::ce_aux<{a.ctype}>").launch(
-        c.device, 1, 1024, c.stream, rc.pack({"target": tv.ptr, "scale": sv.ptr}, lay,
-                                             ignore_index=ignore_index, flags=flags))
+    obj, sv = rc.new_array(c, (1,), rc.acc_dtype(xv.dtype))
+    _aux(xv.dtype).launch(c.device, 1, 1024, c.stream, rc.pack(
+        {"target": tv.ptr, "scale": sv.ptr}, lay, ignore_index=ignore_index, flags=flags))
     return obj, sv
+
+
+def _aux(dt):
+    """``ce_aux`` (the kept-row count, the mean's scale, the loss's reduction) for logits of
+    ``dt``."""
+    return rc.kernel("ce", dt, f"cl::ce_aux<{rc.acc_dtype(dt).ctype}>")
 
 
 def check_grad_loss(op, gv, xv, a, reduction):

@@ -30,8 +30,7 @@ _grad_enabled = torch.is_grad_enabled
 __all__ = ["FORMULAS", "FUNCTIONS"]
 
 
-def _acc(dt):
-    return torch.float64 if dt == torch.float64 else torch.float32
+_acc = _kernels.acc_dtype
 
 
 # -- softmax / log_softmax: save the output ---------------------------------------------------
@@ -124,8 +123,9 @@ def _add_rms_norm_backward(k, ctx, dy, dh, _drstd):
 # -- cross-entropy: the forward saves the logits and the log-sum-exp ------------------------
 class _NoDoubleBackward(torch.autograd.Function):
     """The gradient passed through; differentiating it again raises. The backwards of the
-    row-wise operators are cupylab kernels, which have no graph of their own: without this a second differentiation
-    (``create_graph=True``) would silently leave out their second derivatives."""
+    row-wise operators are cupylab kernels, which have no graph of their own: without this a
+    second differentiation (``create_graph=True``) would silently leave out their second
+    derivatives."""
 
     @staticmethod
     def forward(ctx, g, name):

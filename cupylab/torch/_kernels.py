@@ -60,6 +60,12 @@ def _none_to_empty(t, like):
     return like.new_empty((0,)) if t is None else t
 
 
+def acc_dtype(dt):
+    """The dtype of the statistics and sums for data of ``dt``: float64 for float64, else
+    float32 (cupylab's rule, :func:`cupylab.ops._rowcore.acc_dtype`)."""
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
 # -- softmax ----------------------------------------------------------------------------------
 def softmax(x, dim):
     """softmax of ``x`` along ``dim`` (any dim: the last one is the fast path)."""
@@ -178,7 +184,7 @@ def cross_entropy_backward(logits, target, lse, dloss, ignore_index, reduction,
     and rounded once to the logits' dtype: a loss scale never meets a rounded 16-bit
     gradient."""
     x = _rows(logits)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x.dtype)
     if dloss.requires_grad:  # create_graph=True: its value is read; the caller refuses a
         dloss = dloss.detach()  # second differentiation
     if dloss.dtype != x.dtype and dloss.dtype != acc:
