@@ -18,9 +18,10 @@ from .ops.rowwise import (add_rms_norm, layer_norm, layer_norm_backward, log_sof
                           log_softmax_backward, rms_norm, rms_norm_backward, softmax,
                           softmax_backward)
 from .ops.cross_entropy import cross_entropy, cross_entropy_backward
+from .ops.resnorm import add_rms_norm_backward
 _ROWWISE = ["softmax", "log_softmax", "layer_norm", "rms_norm", "add_rms_norm", "cross_entropy",
             "softmax_backward", "log_softmax_backward", "layer_norm_backward",
-            "rms_norm_backward", "cross_entropy_backward"]
+            "rms_norm_backward", "add_rms_norm_backward", "cross_entropy_backward"]
 # ---- end row-wise ---------------------------------------------------------------------------
 
 __version__ = "0.1.0"

@@ -63,9 +63,16 @@ def _multi_tensor_programs():
     return _mt_plan.all_programs()
 
 
+def _resnorm_programs():
+    from cupylab.ops import resnorm  # noqa: PLC0415
+
+    return resnorm.all_programs()
+
+
 #: Families whose programs are compiled whole (a few programs each), beside the elementwise
 #: instances chosen by --ops/--dtypes.
-_FAMILIES = {"rowwise": _rowwise_programs, "multi_tensor": _multi_tensor_programs}
+_FAMILIES = {"rowwise": _rowwise_programs, "multi_tensor": _multi_tensor_programs,
+             "resnorm": _resnorm_programs}
 
 
 def _arch(text):
@@ -97,7 +104,7 @@ def precompile(argv):
                    help="skip the variants with a Python scalar operand")
     p.add_argument("--families", type=_list, default=["elementwise", *_FAMILIES],
                    help="comma-separated families to compile: elementwise (the instances "
-                        "chosen by --ops/--dtypes/--rules), rowwise, multi_tensor "
+                        "chosen by --ops/--dtypes/--rules), rowwise, multi_tensor, resnorm "
                         "(default: all)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="parallel compiler processes (default: the CPU count)")

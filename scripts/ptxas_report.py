@@ -9,7 +9,7 @@ the 16-bit norm backwards.
 Usage (from the repository root)::
 
     python scripts/ptxas_report.py rowwise [--arch sm_90] [--match REGEX] [--spills]
-    python scripts/ptxas_report.py elementwise|multi_tensor ...
+    python scripts/ptxas_report.py elementwise|multi_tensor|resnorm ...
 
 ``--match`` keeps the name expressions that match a regular expression (e.g.
 ``'bf16_t, 1[23],'`` for the bfloat16 norm backwards); ``--spills`` prints only instances
@@ -37,9 +37,11 @@ def _programs(family):
         from cupylab.ops import elementwise as m
     elif family == "multi_tensor":
         from cupylab.ops import _mt_plan as m
+    elif family == "resnorm":
+        from cupylab.ops import resnorm as m
     else:
         raise SystemExit(f"ptxas_report: unknown family {family!r} "
-                         "(rowwise, elementwise or multi_tensor)")
+                         "(rowwise, elementwise, multi_tensor or resnorm)")
     return m.all_programs()
 
 
@@ -68,7 +70,7 @@ def report(program, arch, match=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("family", choices=("rowwise", "elementwise", "multi_tensor"))
+    ap.add_argument("family", choices=("rowwise", "elementwise", "multi_tensor", "resnorm"))
     ap.add_argument("--arch", default="sm_90", help="NVRTC target (default sm_90)")
     ap.add_argument("--match", help="regular expression on the name expressions")
     ap.add_argument("--spills", action="store_true", help="only instances that spill")

@@ -40,7 +40,8 @@ def test_every_operator_registered_with_schema():
     # the forward operators have autograd formulas; the mutating one cannot
     assert set(_autograd.FORMULAS) == set(_library.SCHEMAS) - {
         "softmax_backward", "log_softmax_backward", "rms_norm_backward",
-        "layer_norm_backward", "cross_entropy_backward", "add_rms_norm_"}
+        "layer_norm_backward", "cross_entropy_backward", "add_rms_norm_",
+        "add_rms_norm_mixed_backward"}
 
 
 def test_public_functions_documented():
@@ -60,6 +61,46 @@ def _meta(t):
 
 def _contig(shape, dtype):
     return (tuple(shape), dtype, tuple(torch.empty(shape, device="meta").stride()), "cuda")
+
+
+def test_fake_add_rms_norm_mixed():
+    ops = torch.ops.cupylab
+    with FakeTensorMode():
+        x = _fake((3, 5, 8))
+        r = _fake((3, 5, 8), torch.float32)
+        w = _fake((8,), torch.float32)
+        y, h, rstd = ops.add_rms_norm_mixed(x, r, w, 1e-6, torch.bfloat16)
+        assert _meta(y) == _contig((3, 5, 8), torch.bfloat16)
+        assert _meta(h) == _contig((3, 5, 8), torch.float32)
+        assert _meta(rstd) == _contig((3, 5), torch.float32)
+        y, _, _ = ops.add_rms_norm_mixed(x, r, None, 1e-6, torch.float16)
+        assert y.dtype == torch.float16
+        g, gx, dw = ops.add_rms_norm_mixed_backward(y, r, h, w, rstd, torch.bfloat16)
+        assert _meta(g) == _contig((3, 5, 8), torch.float32)
+        assert _meta(gx) == _contig((3, 5, 8), torch.bfloat16) and _meta(dw) == _contig(
+            (8,), torch.float32)
+        # a float32 branch: its gradient is dresidual itself, returned once (outputs of a
+        # registered operator may not alias); no weight, or weight_grad=False: (0,)-shaped
+        g, gx, dw = ops.add_rms_norm_mixed_backward(y, None, h, None, rstd, torch.float32)
+        assert gx.shape == (0,) and dw.shape == (0,) and g.dtype == torch.float32
+        assert ops.add_rms_norm_mixed_backward(y, None, h, w, rstd, torch.bfloat16,
+                                               False)[2].shape == (0,)
+
+
+def test_functional_add_rms_norm_mixed_refuses_bad_dtypes():
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    r = torch.zeros(2, 8)
+    with pytest.raises(TypeError, match=r"add_rms_norm: residual must have x's dtype"):
+        F.add_rms_norm(x, r.half(), None)
+    with pytest.raises(TypeError, match=r"add_rms_norm: x must be float16, bfloat16 or "
+                                        r"float32 over a float32 residual"):
+        F.add_rms_norm(x.double(), r, None)
+    with pytest.raises(TypeError, match=r"add_rms_norm: weight must be float32"):
+        F.add_rms_norm(x, r, torch.ones(8, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"add_rms_norm: out_dtype must be"):
+        F.add_rms_norm(x, r, None, out_dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"add_rms_norm: out_dtype must be"):
+        F.add_rms_norm(x, r, None, out_dtype="bfloat16")
 
 
 def test_fake_rowwise_shapes_dtypes_strides():

@@ -15,6 +15,7 @@ import math
 from .. import _dask
 from . import _rowcore as rc
 from . import _rowfast
+from . import resnorm as _resnorm
 
 _MISS = _rowfast.MISS
 
@@ -175,6 +176,9 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
     flags = rc.check_vectors(opname, {k: v[k] for k in ("weight", "bias") if k in v}, xv)
     rc.check_columns(opname, xv.shape)  # before any output is allocated
     rv = v.get("residual")
+    if rv is not None and rv.dtype is not xv.dtype and rv.dtype is rc.F32:
+        # a float32 residual stream under a 16-bit branch: h stays float32
+        return _resnorm.add_rms_norm_mixed(c, opname, eps, inplace, out, None, return_stats)
     if rv is not None:
         rc.check_same(opname, "residual", rv, xv)
         if inplace and rv.readonly:
@@ -245,10 +249,19 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, return_stats=False, out=None
 
 
 def add_rms_norm(x, residual, weight, eps=1e-6, inplace=False, out=None, *, return_stats=False,
-                 stream=None):
+                 dtype=None, stream=None):
     if residual is None:
         raise TypeError("add_rms_norm: residual is required (a GPU array of x's shape and "
                         "dtype); without one, call rms_norm")
+    if dtype is not None:  # y in a dtype of its own: the float32 residual stream's kernels
+        if _dask.is_dask(x) or _dask.is_dask(residual):
+            raise TypeError("add_rms_norm: dtype= is not supported with Dask arrays")
+        c = rc.gather("add_rms_norm", {"x": x, "residual": residual, "weight": weight,
+                                       "out": out}, stream)
+        xdt, rdt = c.views["x"].dtype, c.views["residual"].dtype
+        if not (rdt is xdt and _resnorm.same_dtype(dtype, xdt)):
+            return _resnorm.add_rms_norm_mixed(c, "add_rms_norm", eps, inplace, out, dtype,
+                                               return_stats)
     return _norm("add_rms_norm", x, residual, weight, None, eps, return_stats, inplace, out,
                  stream)
 
@@ -295,19 +308,31 @@ _doc(layer_norm, """``(x - mean) / sqrt(var + eps) * weight + bias`` over the la
 _doc(add_rms_norm, """``h = x + residual`` (rounded to x's dtype), ``y = rms_norm(h, weight,
     eps)``, in one pass.
 
+    Over a float32 residual stream (mixed-precision training: a float32 ``residual`` under a
+    float16 / bfloat16 / float32 ``x``, or any ``dtype=``), ``h`` is float32 (``x`` widened,
+    the sum rounded once), ``y`` is written in ``dtype`` (float32 by default), the weight must
+    be float32 or None, and :func:`add_rms_norm_backward` is the backward (Dask arrays are
+    not supported there).
+
     Parameters
     ----------
-    x, residual : GPU arrays of one shape and dtype
+    x, residual : GPU arrays of one shape
+        One dtype, or a float32 ``residual`` under a 16-bit or float32 ``x``.
     weight : GPU array or None
-        Shape ``(n,)``; x's dtype, or float32 with 16-bit x.
+        Shape ``(n,)``; x's dtype, or float32 with 16-bit x (float32 over a float32 stream).
     eps : float
     inplace : bool
         Write ``h`` into ``residual`` (what inference engines do) instead of a new array.
     out : GPU array, optional
-        For ``y``; may be ``x``.
+        For ``y`` (of ``dtype`` over a float32 stream); may be ``x``.
     return_stats : bool
         Also return ``rstd`` of ``h`` (shape ``x.shape[:-1]``; float32, float64 for float64
         x), what :func:`rms_norm_backward` needs (with ``h`` as its ``x``).
+    dtype : dtype, optional
+        The dtype of ``y``: float16, bfloat16 or float32, over a float32 residual stream (with
+        ``x``'s dtype and a residual of that dtype, the same-dtype operator runs). The dtype its
+        consumer wants: a 16-bit matrix multiply's input, written once instead of cast in a
+        pass of its own.
     stream : stream, optional
 
     Returns

@@ -120,6 +120,34 @@ def _add_rms_norm_backward(k, ctx, dy, dh, _drstd):
     return (g if need[0] else None), (g if need[1] else None), dw, None
 
 
+def _add_rms_norm_mixed_setup(ctx, inputs, output):
+    x, _, weight, _, _ = inputs
+    _, h, rstd = output
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(rstd)
+    ctx.x_dtype = x.dtype
+    ctx.save_for_backward(h, weight, rstd)
+
+
+def _add_rms_norm_mixed_backward(k, ctx, dy, dh, _drstd):
+    h, weight, rstd = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dw = None
+    if dy is not None:  # one pass: the residual's gradient, the branch's in its dtype, dweight
+        wg = weight is not None and need[2]
+        g, gx, dw = k.add_rms_norm_mixed_backward(dy, dh, h, weight, rstd, ctx.x_dtype, wg)
+        if ctx.x_dtype == torch.float32:
+            gx = g
+        if not wg:
+            dw = None
+    elif dh is not None:  # only h is used downstream: its gradient passes through
+        g = dh
+        gx = dh if ctx.x_dtype == dh.dtype else dh.to(ctx.x_dtype)
+    else:
+        return None, None, None, None, None
+    return (gx if need[0] else None), (g if need[1] else None), dw, None, None
+
+
 # -- cross-entropy: the forward saves the logits and the log-sum-exp ------------------------
 class _NoDoubleBackward(torch.autograd.Function):
     """The gradient passed through; differentiating it again raises. The backwards of the
@@ -291,6 +319,7 @@ FORMULAS = {
     "rms_norm": (_rms_norm_setup, _rms_norm_backward),
     "layer_norm": (_layer_norm_setup, _layer_norm_backward),
     "add_rms_norm": (_add_rms_norm_setup, _add_rms_norm_backward),
+    "add_rms_norm_mixed": (_add_rms_norm_mixed_setup, _add_rms_norm_mixed_backward),
     "cross_entropy": (_cross_entropy_setup, _cross_entropy_backward),
     "add": (_binary_setup, _add_backward),
     "subtract": (_binary_setup, _subtract_backward),
@@ -306,6 +335,7 @@ FORMULAS = {
 #: instead of being returned as non-differentiable outputs, which costs autograd an output
 #: each
 _EAGER_OUTPUTS = {"rms_norm": (1, 2), "layer_norm": (1, 3), "add_rms_norm": (2, 3),
+                  "add_rms_norm_mixed": (2, 3),
                   "cross_entropy": (1, 2)}
 
 

@@ -20,7 +20,8 @@ import cupylab
 
 __all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "rms_norm",
            "rms_norm_backward", "layer_norm", "layer_norm_backward", "add_rms_norm",
-           "add_rms_norm_", "cross_entropy", "cross_entropy_loss", "cross_entropy_backward",
+           "add_rms_norm_", "add_rms_norm_mixed", "add_rms_norm_mixed_backward",
+           "cross_entropy", "cross_entropy_loss", "cross_entropy_backward",
            "add", "subtract",
            "multiply", "divide", "fused_add_mul", "fused_add_mul_scalar"]
 
@@ -142,6 +143,25 @@ def add_rms_norm_(x, residual, weight, eps):
     """``y``, with ``h = x + residual`` written into ``residual`` (which must be writable in
     place: not a non-contiguous tensor of more than three dimensions)."""
     return cupylab.add_rms_norm(_rows(x), _d(residual), _vec(weight), eps, inplace=True)[0]
+
+
+def add_rms_norm_mixed(x, residual, weight, eps, out_dtype, stats=True):
+    """``(y, h, rstd)`` over a float32 residual stream: ``h = residual + x`` in float32 (``x``
+    16-bit or float32), ``y = rms_norm(h)`` written in ``out_dtype``; ``stats=False``:
+    ``(y, h)``."""
+    return cupylab.add_rms_norm(_rows(x), _rows(residual), _vec(weight), eps,
+                                return_stats=stats, dtype=out_dtype)
+
+
+def add_rms_norm_mixed_backward(dy, dh, h, weight, rstd, x_dtype, weight_grad=True):
+    """``(dresidual, dx, dweight)`` in one pass: ``dresidual`` float32 (``dh`` added when
+    given), ``dx`` the same values in ``x_dtype`` or a (0,)-shaped tensor when ``x_dtype`` is
+    float32 (then ``dresidual`` is the branch's gradient too: a registered operator's outputs
+    may not alias), ``dweight`` (0,)-shaped without a weight or with ``weight_grad=False``."""
+    g, gx, dw = cupylab.add_rms_norm_backward(
+        _d(dy).contiguous(), _rows(h), _vec(weight), rstd,
+        None if dh is None else _rows(dh), x_dtype=x_dtype, weight_grad=weight_grad)
+    return g, (g.new_empty((0,)) if gx is g else gx), _none_to_empty(dw, g)
 
 
 # -- cross-entropy ----------------------------------------------------------------------------

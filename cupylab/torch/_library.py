@@ -32,6 +32,10 @@ where noted):
 ``add_rms_norm``               ``(x, residual, weight?, eps) -> (y, h, rstd)``
 ``add_rms_norm_``              ``(x, residual!, weight?, eps) -> y``; writes ``h`` into ``residual``
                                (mutates it; no autograd formula)
+``add_rms_norm_mixed``         ``(x, residual, weight?, eps, out_dtype) -> (y, h, rstd)`` over a
+                               float32 residual stream: ``h`` float32, ``y`` in ``out_dtype``
+``add_rms_norm_mixed_backward`` ``(dy, dh?, h, weight?, rstd, x_dtype, weight_grad=True) ->
+                               (dresidual, dx, dweight)``; ``dx`` (0,)-shaped for float32 ``x``
 ``cross_entropy``              ``(logits, target, ignore_index, reduction, label_smoothing,
                                compute_grad, fp32_loss=False) -> (loss, lse)``; class axis last;
                                ``loss`` in the logits' dtype (float32 with ``fp32_loss``); ``lse``
@@ -73,6 +77,11 @@ SCHEMAS = {
                      "(Tensor, Tensor, Tensor)", ()),
     "add_rms_norm_": ("(Tensor x, Tensor(a!) residual, Tensor? weight, float eps) -> Tensor",
                       ("residual",)),
+    "add_rms_norm_mixed": ("(Tensor x, Tensor residual, Tensor? weight, float eps, "
+                           "ScalarType out_dtype) -> (Tensor, Tensor, Tensor)", ()),
+    "add_rms_norm_mixed_backward": ("(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, "
+                                    "Tensor rstd, ScalarType x_dtype, bool weight_grad=True) -> "
+                                    "(Tensor, Tensor, Tensor)", ()),
     "cross_entropy": ("(Tensor logits, Tensor target, int ignore_index, str reduction, "
                       "float label_smoothing, bool compute_grad, bool fp32_loss=False) -> "
                       "(Tensor, Tensor)", ()),
@@ -135,6 +144,17 @@ def _add_rms_norm_fake(x, residual, weight, eps):
     return (x.new_empty(x.shape), x.new_empty(x.shape), *_stats(x, 1))
 
 
+def _add_rms_norm_mixed_fake(x, residual, weight, eps, out_dtype):
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=torch.float32),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
+
+
+def _add_rms_norm_mixed_bwd_fake(dy, dh, h, weight, rstd, x_dtype, weight_grad=True):
+    gx = (h.new_empty((0,)) if x_dtype == torch.float32
+          else h.new_empty(h.shape, dtype=x_dtype))
+    return h.new_empty(h.shape), gx, _weight_grad(h, weight if weight_grad else None)
+
+
 def _cross_entropy_fake(logits, target, ignore_index, reduction, label_smoothing,
                         compute_grad, fp32_loss=False):
     loss = logits.new_empty(logits.shape[:-1] if reduction == "none" else (),
@@ -176,6 +196,8 @@ _FAKES = {
     "rms_norm": _rms_norm_fake, "rms_norm_backward": _rms_norm_bwd_fake,
     "layer_norm": _layer_norm_fake, "layer_norm_backward": _layer_norm_bwd_fake,
     "add_rms_norm": _add_rms_norm_fake, "add_rms_norm_": _same,
+    "add_rms_norm_mixed": _add_rms_norm_mixed_fake,
+    "add_rms_norm_mixed_backward": _add_rms_norm_mixed_bwd_fake,
     "cross_entropy": _cross_entropy_fake, "cross_entropy_backward": _cross_entropy_bwd_fake,
     **{n: _binary_fake(n) for n in ("add", "subtract", "multiply", "divide", "fused_add_mul",
                                     "fused_add_mul_scalar")},

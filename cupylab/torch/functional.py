@@ -312,24 +312,37 @@ def _add_rms_args(fn, x, residual, weight, eps):
     return _eps(fn, eps, x)
 
 
-def add_rms_norm(x, residual, weight, eps=1e-6):
+def add_rms_norm(x, residual, weight, eps=1e-6, *, out_dtype=None):
     """``h = x + residual`` and ``y = rms_norm(h, weight, eps)`` over the last dim in one
     pass (the pre-norm transformer block's residual update).
 
     Parameters
     ----------
     x, residual : torch.Tensor
-        CUDA tensors of one shape and dtype (float16 / bfloat16 / float32 / float64).
+        CUDA tensors of one shape: of one dtype (float16 / bfloat16 / float32 / float64), or a
+        float32 ``residual`` (the float32 residual stream of mixed-precision training) under a
+        float16 / bfloat16 / float32 ``x`` (the branch, e.g. a matrix multiply's output under
+        autocast).
     weight : torch.Tensor or None
-        Shape ``(x.shape[-1],)``; ``x``'s dtype or float32 with 16-bit ``x``.
+        Shape ``(x.shape[-1],)``; ``x``'s dtype or float32 with 16-bit ``x``; float32 over a
+        float32 residual stream.
     eps : float
+    out_dtype : torch.dtype, optional
+        The dtype of ``y`` (float16, bfloat16 or float32), written once in the normalising
+        pass: the dtype its consumer wants, e.g. ``torch.get_autocast_dtype("cuda")`` when
+        the next matrix multiply runs under autocast, which would otherwise cast a float32
+        ``y`` in a kernel of its own. Default: ``h``'s dtype. Needs a float32 ``residual``
+        unless it is ``x``'s dtype.
 
     Returns
     -------
     (y, h) : tuple of torch.Tensor
-        New contiguous tensors; ``h`` is rounded to ``x``'s dtype before it is normalised.
-        Both are differentiable (the gradient reaching ``h`` adds to that from ``y``); with
-        grad, ``h`` (an output) and ``rstd`` are saved.
+        New contiguous tensors. With one dtype, ``h`` is rounded to it before it is
+        normalised; over a float32 residual stream ``h`` is float32 (``x`` widened, never
+        rounded) and ``y`` is ``out_dtype``. Both are differentiable (the gradient reaching
+        ``h`` adds to that from ``y``; over a float32 stream in the same pass, which also
+        writes the gradient of ``x`` in its dtype); with grad, ``h`` (an output) and ``rstd``
+        are saved.
 
     Raises
     ------
@@ -339,6 +352,15 @@ def add_rms_norm(x, residual, weight, eps=1e-6):
         Shapes that do not match, a 0-d ``x``, a negative ``eps``.
     """
     eps = _add_rms_args("add_rms_norm", x, residual, weight, eps)
+    if residual.dtype != x.dtype or (out_dtype is not None and out_dtype != x.dtype):
+        od = _mixed_dtypes(x, residual, weight, out_dtype)
+        if _compiling():
+            y, h, _ = torch.ops.cupylab.add_rms_norm_mixed(x, residual, weight, eps, od)
+            return y, h
+        if _wants_grad(x, residual, weight):
+            y, h = _F["add_rms_norm_mixed"].apply(x, residual, weight, eps, od)
+            return y, h
+        return _kernels.add_rms_norm_mixed(x, residual, weight, eps, od, False)
     if _compiling():
         y, h, _ = torch.ops.cupylab.add_rms_norm(x, residual, weight, eps)
         return y, h
@@ -346,6 +368,28 @@ def add_rms_norm(x, residual, weight, eps=1e-6):
         y, h = _F["add_rms_norm"].apply(x, residual, weight, eps)
         return y, h
     return _kernels.add_rms_norm(x, residual, weight, eps, False)
+
+
+_STREAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _mixed_dtypes(x, residual, weight, out_dtype):
+    """The dtype of ``y`` over a float32 residual stream, after checking the dtypes."""
+    fn = "add_rms_norm"
+    if residual.dtype != torch.float32:
+        raise TypeError(f"{_name(fn)}: residual must have x's dtype ({x.dtype}), or be "
+                        f"torch.float32 (a float32 residual stream); got {residual.dtype}")
+    if x.dtype not in _STREAM_DTYPES:
+        raise TypeError(f"{_name(fn)}: x must be float16, bfloat16 or float32 over a float32 "
+                        f"residual (got {x.dtype})")
+    if weight is not None and weight.dtype != torch.float32:
+        raise TypeError(f"{_name(fn)}: weight must be float32 over a float32 residual (got "
+                        f"{weight.dtype})")
+    od = torch.float32 if out_dtype is None else out_dtype
+    if od not in _STREAM_DTYPES:
+        raise TypeError(f"{_name(fn)}: out_dtype must be torch.float16, torch.bfloat16 or "
+                        f"torch.float32 (got {out_dtype!r})")
+    return od
 
 
 def add_rms_norm_(x, residual, weight, eps=1e-6):

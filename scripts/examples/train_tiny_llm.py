@@ -15,7 +15,11 @@ from the same initial weights in every mode:
                      and ``torch.optim.AdamW(foreach=True)``. Its distance to ``torch`` is the
                      noise floor of bf16 training, against which cupylab's distance is read.
 ``cupylab``          the model's ``RMSNorm`` and ``CrossEntropyLoss`` modules swapped in place by
-                     ``cupylab.torch.nn.swap_modules``, ``cupylab.torch.optim.AdamW``, eager
+                     ``cupylab.torch.nn.swap_modules``, ``cupylab.torch.optim.AdamW``, eager;
+                     each residual add and the RMSNorm after it made one kernel
+                     (``cupylab.torch.functional.add_rms_norm`` over the float32 residual
+                     stream, the norm written in bf16, what the next matrix multiply casts it
+                     to), unless ``--no-fuse-residual``
 ``torch-compile``    ``torch`` under ``torch.compile(model, fullgraph=True)``
 ``cupylab-compile``  ``cupylab`` under ``torch.compile(model, fullgraph=True)``
 
@@ -52,12 +56,35 @@ MODES = ("torch", "torch-alt", "cupylab", "torch-compile", "cupylab-compile")
 PHRASE = 16  # tokens per phrase of the synthetic stream
 
 
+_fused_add_rms_norm = None  # cupylab.torch.functional.add_rms_norm, set by fuse_residual
+
+
+def add_norm(norm, branch, x, fused_dtype=None):
+    """``x + branch`` and its norm, ``(norm(x'), x')`` (``(norm(x), x)`` without a branch).
+    With ``fused_dtype`` (the cupylab modes): one cupylab kernel adds and normalises over the
+    float32 residual stream and writes the norm in ``fused_dtype``, the dtype the next matrix
+    multiply casts it to under autocast (:func:`cupylab.torch.functional.add_rms_norm`)."""
+    if branch is None:
+        return norm(x), x
+    if fused_dtype is not None:
+        return _fused_add_rms_norm(branch, x, norm.weight, norm.eps, out_dtype=fused_dtype)
+    x = x + branch
+    return norm(x), x
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP."""
+    """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP.
+
+    ``forward(x, branch)`` takes the residual stream ``x`` and the previous block's MLP output
+    not yet added to it (None in the first block), and returns the stream and its own MLP
+    output, not yet added: each residual add happens right before the norm that reads it (the
+    same operations, in the same order, as ``x = x + mlp(...)`` at the end of the block), so
+    that the cupylab modes can fuse the two."""
 
     def __init__(self, d_model, heads, eps):
         super().__init__()
         self.heads = heads
+        self.fused_dtype = None
         self.norm1 = nn.RMSNorm(d_model, eps=eps)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
@@ -65,13 +92,15 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(d_model, 4 * d_model, bias=False)
         self.fc2 = nn.Linear(4 * d_model, d_model, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, branch=None):
         b, t, d = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads)
+        n, x = add_norm(self.norm1, branch, x, self.fused_dtype)
+        qkv = self.qkv(n).view(b, t, 3, self.heads, d // self.heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+        n, x = add_norm(self.norm2, self.proj(a.transpose(1, 2).reshape(b, t, d)), x,
+                        self.fused_dtype)
+        return x, self.fc2(F.gelu(self.fc1(n), approximate="tanh"))
 
 
 class TinyLM(nn.Module):
@@ -83,6 +112,7 @@ class TinyLM(nn.Module):
         self.pos = nn.Embedding(seq, d_model)
         self.blocks = nn.ModuleList(Block(d_model, heads, eps) for _ in range(layers))
         self.norm = nn.RMSNorm(d_model, eps=eps)
+        self.fused_dtype = None
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.loss_fn = nn.CrossEntropyLoss()
         for name, p in self.named_parameters():
@@ -91,12 +121,25 @@ class TinyLM(nn.Module):
                                                                      "fc2.weight")) else 0.02
                 nn.init.normal_(p, std=std)
 
+    def fuse_residual(self, dtype):
+        """Make every residual add and the RMSNorm after it one cupylab kernel writing the norm
+        in ``dtype`` (None: back to torch's add and the norm module)."""
+        global _fused_add_rms_norm
+        if dtype is not None and _fused_add_rms_norm is None:
+            from cupylab.torch.functional import add_rms_norm
+
+            _fused_add_rms_norm = add_rms_norm
+        self.fused_dtype = dtype
+        for blk in self.blocks:
+            blk.fused_dtype = dtype
+
     def forward(self, idx, targets):
         b, t = idx.shape
-        x = self.tok(idx) + self.pos.weight[:t]
+        x, branch = self.tok(idx) + self.pos.weight[:t], None
         for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
+            x, branch = blk(x, branch)
+        n, _ = add_norm(self.norm, branch, x, self.fused_dtype)
+        logits = self.head(n)
         return self.loss_fn(logits.view(b * t, -1), targets.reshape(b * t))
 
 
@@ -129,6 +172,8 @@ def run_mode(mode, args, init_state, data):
         from cupylab.torch.optim import AdamW
 
         swapped = swap_modules(model)
+        if args.fuse_residual and device.type == "cuda":  # a CUDA kernel: not on the host
+            model.fuse_residual(torch.bfloat16)
         opt = AdamW(model.parameters(), **kw)
     elif mode == "torch-alt":
         opt = torch.optim.AdamW(model.parameters(), foreach=True, **kw)
@@ -324,6 +369,10 @@ def parse(argv=None):
     p.add_argument("--profile", metavar="DIR", help="after each mode's timed steps, profile "
                    "3 more with torch.profiler and write DIR/<mode>.txt (kernels by GPU time, "
                    "host operators by CPU time)")
+    p.add_argument("--no-fuse-residual", dest="fuse_residual", action="store_false",
+                   help="in the cupylab modes, keep torch's residual adds beside the swapped "
+                        "norms (by default each add and the RMSNorm after it are one cupylab "
+                        "kernel over the float32 residual stream, writing the norm in bf16)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu runs the loop on the host, for testing this script: cupylab's "
                         "modules then run torch's forward and cupylab's optimizer refuses "
