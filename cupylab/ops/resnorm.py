@@ -172,9 +172,10 @@ def _check_weight(opname, v, cols):
                         f"{v.dtype.name})")
 
 
-def add_rms_norm_mixed(c, opname, eps, inplace, out, dtype, return_stats):
+def add_rms_norm_mixed(c, opname, residual, eps, inplace, out, dtype, return_stats):
     """The mixed-precision ``add_rms_norm`` on the gathered arguments ``c`` (views "x",
-    "residual", and "weight", "out" when given): see :func:`cupylab.add_rms_norm`."""
+    "residual", and "weight", "out" when given; ``residual`` the caller's object, returned as
+    ``h`` with ``inplace``): see :func:`cupylab.add_rms_norm`."""
     v = c.views
     xv, rv = v["x"], v["residual"]
     _check_branch(opname, "x", xv)
@@ -209,7 +210,7 @@ def add_rms_norm_mixed(c, opname, eps, inplace, out, dtype, return_stats):
     else:
         yobj, ov = rc.new_array(c, shape, ydt)
     if inplace:
-        hobj, hv = v["residual"], rv
+        hobj, hv = residual, rv
     else:
         hobj, hv = rc.new_array(c, shape, F32)
     lay = layout(opname, shape, [xv, rv, ov, hv], wv)

@@ -178,7 +178,8 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
     rv = v.get("residual")
     if rv is not None and rv.dtype is not xv.dtype and rv.dtype is rc.F32:
         # a float32 residual stream under a 16-bit branch: h stays float32
-        return _resnorm.add_rms_norm_mixed(c, opname, eps, inplace, out, None, return_stats)
+        return _resnorm.add_rms_norm_mixed(c, opname, residual, eps, inplace, out, None,
+                                           return_stats)
     if rv is not None:
         rc.check_same(opname, "residual", rv, xv)
         if inplace and rv.readonly:
@@ -260,8 +261,8 @@ def add_rms_norm(x, residual, weight, eps=1e-6, inplace=False, out=None, *, retu
                                        "out": out}, stream)
         xdt, rdt = c.views["x"].dtype, c.views["residual"].dtype
         if not (rdt is xdt and _resnorm.same_dtype(dtype, xdt)):
-            return _resnorm.add_rms_norm_mixed(c, "add_rms_norm", eps, inplace, out, dtype,
-                                               return_stats)
+            return _resnorm.add_rms_norm_mixed(c, "add_rms_norm", residual, eps, inplace, out,
+                                               dtype, return_stats)
     return _norm("add_rms_norm", x, residual, weight, None, eps, return_stats, inplace, out,
                  stream)
 
