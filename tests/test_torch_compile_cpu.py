@@ -97,6 +97,34 @@ def test_compile_inductor_lowers_the_registered_operators(cpu_kernels):
             "layer_norm_backward"} <= names
 
 
+def test_inductor_fallbacks_made_before_lowering(cpu_kernels, monkeypatch):
+    """Once a fake implementation has run (torch.compile's tracing), every cupylab operator
+    is an Inductor fallback, so Inductor never takes its implicit-fallback path for one: on
+    torch 2.11 that path formats the operator's arguments for a log message first, text that
+    grows exponentially along a chain of cupylab operators (the training example)."""
+    from torch._inductor import exc, lowering
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cupylab.torch import _library
+
+    with FakeTensorMode():
+        torch.ops.cupylab.softmax(torch.empty(2, 3), -1)
+    assert all(op in lowering.lowerings for op in _library.OPS.values())
+    if not _can_build_cpp():
+        return
+    seen = []
+    real = exc.OperatorIssue.operator_str
+    monkeypatch.setattr(exc.OperatorIssue, "operator_str", staticmethod(
+        lambda t, a, k: seen.append(str(t)) or real(t, a, k)))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Block()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    x, r = torch.randn(8, 16), torch.randn(8, 16)
+    _run_block(compiled, x, r, torch.randint(0, 11, (8,)))
+    assert not [t for t in seen if "cupylab" in t]
+
+
 def test_compile_dynamic_batch_one_graph(cpu_kernels):
     model, compiled, counters = _aot_block(dynamic=True)
     for batch in (5, 9, 17):

@@ -204,6 +204,53 @@ _FAKES = {
 }
 
 
+# -- Inductor: the fallbacks made up front ----------------------------------------------------
+_fallbacks_made = False
+
+
+def inductor_fallbacks():
+    """Make every cupylab operator an Inductor fallback kernel (a call of its real
+    implementation, with the layout constraint Inductor would choose itself), once.
+
+    Inductor makes that fallback on its own the first time it lowers an operator it has no
+    lowering for, but before it does, torch 2.11 formats the operator's arguments for a log
+    message whatever the log level (later versions format it lazily). An argument's text
+    nests the text of every extern kernel it comes from; in a graph where cupylab operators
+    feed each other through matrix multiplies and attention (the training example's stack of
+    fused residual norms, 8 layers) that text grows exponentially with the depth, and Inductor
+    spent minutes in it before compiling anything (H100, torch 2.11, batch 64, the graph's
+    first cupylab cross-entropy). Called by the fake implementations, which run while
+    torch.compile traces, before Inductor lowers; Inductor's own modules are imported then
+    (they are being imported for the compilation anyway). Where these Inductor internals
+    differ or are missing, nothing is done and Inductor's implicit fallback remains."""
+    global _fallbacks_made
+    if _fallbacks_made:
+        return
+    _fallbacks_made = True
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # no fake tensors made by the imports
+            from torch._inductor import lowering
+        for op in OPS.values():
+            if op not in lowering.lowerings:
+                tag = lowering.get_layout_constraint_tag(op, with_default=True)
+                lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(
+                    tag), warn=False)
+    except Exception:  # noqa: BLE001 - private internals of another torch: Inductor's own way
+        pass
+
+
+def _fake_entry(fake):
+    """``fake``, making the Inductor fallbacks first (:func:`inductor_fallbacks`)."""
+    def entry(*args, **kwargs):
+        if not _fallbacks_made:
+            inductor_fallbacks()
+        return fake(*args, **kwargs)
+    entry.__name__ = entry.__qualname__ = fake.__name__
+    return entry
+
+
 # -- registration -----------------------------------------------------------------------------
 def _impl(name):
     """The real implementation: ``_kernels.<name>``, looked up per call."""
@@ -225,11 +272,11 @@ def _register(name):
     formula = _autograd.FORMULAS.get(name)
     if mutates:  # no autograd formula: custom_op raises when it is differentiated
         torch.library.custom_op(qualname, _impl(name), mutates_args=mutates,
-                                schema=schema).register_fake(_FAKES[name])
+                                schema=schema).register_fake(_fake_entry(_FAKES[name]))
     else:
         LIBRARY.define(name + schema)
         LIBRARY.impl(name, _impl(name), "CompositeExplicitAutograd")
-        torch.library.register_fake(qualname, _FAKES[name], lib=LIBRARY)
+        torch.library.register_fake(qualname, _fake_entry(_FAKES[name]), lib=LIBRARY)
         # the traced backward calls the registered backward operators (torch.ops.cupylab); an
         # operator without a formula (the backwards) raises when differentiated, as a
         # custom_op does (without an autograd kernel torch would only warn and give none)

@@ -408,7 +408,8 @@ def main(argv=None):
     for mode in args.modes:
         t = time.perf_counter()
         records[mode] = run_mode(mode, args, init_state, data)
-        print(f"[{mode}] {args.steps} steps in {time.perf_counter() - t:.1f} s, loss "
+        print(f"[{mode}] {args.steps} steps in {time.perf_counter() - t:.1f} s, median "
+              f"{records[mode]['median_ms']:.3f} ms/step, loss "
               f"{records[mode]['losses'][0]:.4f} -> {records[mode]['losses'][-1]:.4f}",
               flush=True)
     ok, lines, summary = check(records, args.rtol)
