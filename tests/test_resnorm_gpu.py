@@ -106,6 +106,27 @@ def test_inplace_and_out(rows, cols):
     _close(xd2, yr, "bfloat16", "y over x", scale=4.0)
 
 
+@pytest.mark.parametrize("cols", [512, 30])
+def test_broadcast_branch(cols):
+    """x a broadcast view (batch stride 0: a position embedding added to every sequence), the
+    residual of the full shape: the leading dimensions stay two strided levels."""
+    import cupy as cp
+
+    rng = np.random.default_rng(cols)
+    pos = rng.standard_normal((5, cols)).astype(np.float32)
+    r = (rng.standard_normal((3, 5, cols)) * 3).astype(np.float32)
+    xd = cp.broadcast_to(cupy_from_host(pos), (3, 5, cols))
+    y, h, rstd = cupylab.add_rms_norm(xd, cupy_from_host(r), None, EPS, dtype="bfloat16",
+                                      return_stats=True)
+    yr, hr, _ = _ref_fwd(np.broadcast_to(pos, (3, 5, cols)), r, None)
+    np.testing.assert_array_equal(to_host(h), hr)
+    _close(y, yr, "bfloat16", "y", scale=4.0)
+    dy = rng.standard_normal((3, 5, cols)).astype(np_dtype("bfloat16"))
+    g, gx, _ = cupylab.add_rms_norm_backward(cupy_from_host(dy), h, None, rstd)
+    gr, _ = _ref_bwd(dy, to_host(h), None, to_host(rstd), None)
+    _close(g, gr, "float32", "dresidual", scale=8.0)
+
+
 def test_same_dtype_with_dtype_takes_the_row_kernels():
     _, x, _, _ = _data(9, 256, "bfloat16", seed=3)
     r = x[::-1].copy()
@@ -240,6 +261,26 @@ def test_torch_autograd(xdt, compiled):
     tol = {"bfloat16": 1.6e-2, "float16": 2e-3, "float32": 1e-4}[xdt]
     torch.testing.assert_close(x.grad.double(), gx, rtol=tol, atol=tol)
     torch.testing.assert_close(w.grad.double(), gw, rtol=1e-4, atol=1e-3)
+
+
+def test_torch_broadcast_branch_gradient_sums():
+    """A position embedding expanded over the batch as the branch: its gradient is the
+    residual's gradient summed over the batch (autograd's expand backward)."""
+    torch = pytest.importorskip("torch")
+    from cupylab.torch import functional as CF
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    pos = torch.randn(5, 64, device="cuda", generator=g).requires_grad_()
+    tok = torch.randn(3, 5, 64, device="cuda", generator=g).requires_grad_()
+    dy = torch.randn(3, 5, 64, device="cuda", generator=g).to(torch.bfloat16)
+    y, h = CF.add_rms_norm(pos.expand(3, 5, 64), tok, None, EPS, out_dtype=torch.bfloat16)
+    (y.float() * dy.float()).sum().backward()
+    p2, t2 = (t.detach().double().requires_grad_() for t in (pos, tok))
+    h2 = t2 + p2
+    y2 = h2 * torch.rsqrt(h2.pow(2).mean(-1, keepdim=True) + EPS)
+    (y2 * dy.double()).sum().backward()
+    torch.testing.assert_close(tok.grad.double(), t2.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pos.grad.double(), p2.grad, rtol=1e-4, atol=1e-4)
 
 
 def test_torch_h_only_and_no_grad():

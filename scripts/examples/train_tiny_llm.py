@@ -76,8 +76,8 @@ class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP.
 
     ``forward(x, branch)`` takes the residual stream ``x`` and the previous block's MLP output
-    not yet added to it (None in the first block), and returns the stream and its own MLP
-    output, not yet added: each residual add happens right before the norm that reads it (the
+    not yet added to it (the position embedding in the first block), and returns the stream
+    and its own MLP output, not yet added: each residual add happens right before the norm that reads it (the
     same operations, in the same order, as ``x = x + mlp(...)`` at the end of the block), so
     that the cupylab modes can fuse the two."""
 
@@ -135,7 +135,9 @@ class TinyLM(nn.Module):
 
     def forward(self, idx, targets):
         b, t = idx.shape
-        x, branch = self.tok(idx) + self.pos.weight[:t], None
+        # the position embedding is the first branch: it adds before the first norm, as the
+        # other branches do (a broadcast view, batch stride 0)
+        x, branch = self.tok(idx), self.pos.weight[:t].expand(b, t, -1)
         for blk in self.blocks:
             x, branch = blk(x, branch)
         n, _ = add_norm(self.norm, branch, x, self.fused_dtype)
