@@ -307,6 +307,14 @@ def test_add_rms_norm_returns_y_and_h(numpy_chunks, numpy_rows):
     with pytest.raises(TypeError, match=r"add_rms_norm: residual must have the dtype of x "
                                         r"\(float64\); got float32"):
         cupylab.add_rms_norm(chunked(a, 7), chunked(r.astype(np.float32), 7), w)
+    # a float32 residual stream (GPU arrays only) and dtype= are refused by name
+    with pytest.raises(TypeError, match=r"add_rms_norm: a residual of another dtype than x "
+                                        r"\(a float32 residual stream\) is not supported with "
+                                        r"Dask arrays"):
+        cupylab.add_rms_norm(chunked(a.astype(np.float16), 7), chunked(r.astype(np.float32), 7),
+                             w)
+    with pytest.raises(TypeError, match=r"add_rms_norm: dtype= is not supported with Dask"):
+        cupylab.add_rms_norm(chunked(a, 7), chunked(r, 7), w, dtype="float32")
 
 
 @pytest.fixture

@@ -153,7 +153,11 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
             # residual), before the add
             xv = _dask.view(opname, "x", x)
             rc.check_float(opname, "x", xv)
-            rc.check_same(opname, "residual", _dask.view(opname, "residual", residual), xv)
+            rv = _dask.view(opname, "residual", residual)
+            if rv.dtype is not xv.dtype and rv.dtype is rc.F32 and xv.dtype in _resnorm.TYPES:
+                raise TypeError(f"{opname}: a residual of another dtype than x (a float32 "
+                                "residual stream) is not supported with Dask arrays")
+            rc.check_same(opname, "residual", rv, xv)
             from .elementwise import add  # noqa: PLC0415
 
             h = add(x, residual)
