@@ -91,6 +91,21 @@ def choose(kind, cols, quad_ok):
     return None
 
 
+def backward_grid(rows, cls, sm_count):
+    """Blocks of the persistent backward (each writes one row of partial weight sums): a
+    register class's row groups up to four 256-thread blocks' worth an SM (the 64-register
+    cap), the generic kernel's rows up to 8 blocks an SM."""
+    if cls is None:
+        return max(1, min(rows, sm_count * 8))
+    return max(1, min(-(-rows // (cls[0] // cls[1])), sm_count * (1024 // cls[0])))
+
+
+def col_sum(tx):
+    """The weight gradient's column sum (``cl::col_sum<float, float>``, in ``tx``'s
+    program)."""
+    return _kernel(tx, "cl::col_sum<float, float>", ("Q", "Q", "q", "q", "Q", "Q"))
+
+
 class _Layout:
     __slots__ = ("rows", "cols", "n1", "so", "si", "cs", "quad_ok", "lead")
 
@@ -284,6 +299,12 @@ def add_rms_norm_backward(dy, h, weight, rstd, dh=None, *, x_dtype=None, weight_
         cannot be merged, arrays on different GPUs.
     """
     opname = "add_rms_norm_backward"
+    if stream is None:
+        from . import _resfast  # noqa: PLC0415 - it imports this module
+
+        r = _resfast.backward(dy, h, weight, rstd, dh, x_dtype, weight_grad)
+        if r is not _resfast.MISS:
+            return r
     c = rc.gather(opname, {"dy": dy, "h": h, "weight": weight, "rstd": rstd, "dh": dh},
                   stream, required=2)
     v = c.views
@@ -315,13 +336,8 @@ def add_rms_norm_backward(dy, h, weight, rstd, dh=None, *, x_dtype=None, weight_
         dwobj, dwv = rc.new_array(c, (cols,), F32)
     lay = layout(opname, shape, [dv, hv, dhv, gv, gxv], wv)
     cls = choose("bwd", cols, lay.quad_ok)
-    info = _runtime.device_info(c.device)
-    if cls is None:
-        block = GENERIC_THREADS
-        grid = max(1, min(lay.rows, info.sm_count * 8))
-    else:
-        block = cls[0]
-        grid = max(1, min(-(-lay.rows // (cls[0] // cls[1])), info.sm_count * (1024 // cls[0])))
+    block = GENERIC_THREADS if cls is None else cls[0]
+    grid = backward_grid(lay.rows, cls, _runtime.device_info(c.device).sm_count)
     part = pv = None
     if dwv is not None and lay.rows:
         part, pv = rc.new_array(c, (grid, cols), F32)
@@ -333,9 +349,7 @@ def add_rms_norm_backward(dy, h, weight, rstd, dh=None, *, x_dtype=None, weight_
                           v["rstd"].ptr, pv.ptr if pv is not None else 0), lay)
             k.launch(c.device, grid, block, c.stream, args)
         if dwv is not None:
-            rc.launch_col_sum(_kernel(xdt, "cl::col_sum<float, float>",
-                                      ("Q", "Q", "q", "q", "Q", "Q")),
-                              c.device, c.stream, pv.ptr if pv is not None else 0,
+            rc.launch_col_sum(col_sum(xdt), c.device, c.stream, pv.ptr if pv is not None else 0,
                               grid if lay.rows else 0, cols, dwv.ptr)
     g = rc.finish(c, gobj)
     return (g, g if gxobj is None else rc.finish(c, gxobj),

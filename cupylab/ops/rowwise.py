@@ -15,6 +15,7 @@ import math
 from .. import _dask
 from . import _rowcore as rc
 from . import _rowfast
+from . import _resfast
 from . import resnorm as _resnorm
 
 _MISS = _rowfast.MISS
@@ -258,6 +259,11 @@ def add_rms_norm(x, residual, weight, eps=1e-6, inplace=False, out=None, *, retu
     if residual is None:
         raise TypeError("add_rms_norm: residual is required (a GPU array of x's shape and "
                         "dtype); without one, call rms_norm")
+    if out is None and stream is None and not inplace and (
+            dtype is not None or getattr(x, "dtype", None) != getattr(residual, "dtype", None)):
+        r = _resfast.forward(x, residual, weight, eps, dtype, return_stats)
+        if r is not _MISS:
+            return r
     if dtype is not None:  # y in a dtype of its own: the float32 residual stream's kernels
         if _dask.is_dask(x) or _dask.is_dask(residual):
             raise TypeError("add_rms_norm: dtype= is not supported with Dask arrays")
