@@ -127,6 +127,29 @@ def test_broadcast_branch(cols):
     _close(g, gr, "float32", "dresidual", scale=8.0)
 
 
+@pytest.mark.parametrize("rows,cols", [(65, 512), (3, 4096), (1, 64)])
+def test_lean_and_general_paths_agree(rows, cols):
+    """Plain contiguous CuPy arrays take the lean path (cupylab/ops/_resfast.py); stream=
+    forces the general one: the same kernels, bit for bit."""
+    import cupy as cp
+
+    rng, x, r, w = _data(rows, cols, "float16", seed=9)
+    xd, rd, wd = cupy_from_host(x), cupy_from_host(r), cupy_from_host(w)
+    s = cp.cuda.get_current_stream()
+    a = cupylab.add_rms_norm(xd, rd, wd, EPS, dtype=np.dtype("float16"), return_stats=True)
+    b = cupylab.add_rms_norm(xd, rd, wd, EPS, dtype=np.dtype("float16"), return_stats=True,
+                             stream=s)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(to_host(u), to_host(v))
+    dy = cupy_from_host(rng.standard_normal((rows, cols)).astype(np.float16))
+    dh = cupy_from_host(rng.standard_normal((rows, cols)).astype(np.float32))
+    ga = cupylab.add_rms_norm_backward(dy, a[1], wd, a[2], dh, x_dtype=np.dtype("float16"))
+    gb = cupylab.add_rms_norm_backward(dy, a[1], wd, a[2], dh, x_dtype=np.dtype("float16"),
+                                       stream=s)
+    for u, v in zip(ga, gb):
+        np.testing.assert_array_equal(to_host(u), to_host(v))
+
+
 def test_same_dtype_with_dtype_takes_the_row_kernels():
     _, x, _, _ = _data(9, 256, "bfloat16", seed=3)
     r = x[::-1].copy()
