@@ -97,7 +97,7 @@ if has sanitizer && command -v "$SAN" >/dev/null 2>&1; then
     test_cross_entropy_backward_gpu.py
   san ceb_race racecheck 'reductions and bfloat16 and (contig or offset) and (9-4097 or 2-128256)' \
     test_cross_entropy_backward_gpu.py
-  san rn_mem memcheck '(test_forward and bfloat16 and (1-4 or 7-64 or 65-512 or 9-1000 or 2-8192 or 2-8200)) or (test_backward and bfloat16 and (0-8 or 7-64 or 65-512 or 3-4096 or 2-8200)) or inplace or errors or empty_rows or dispatch or torch' \
+  san rn_mem memcheck '(test_forward and bfloat16 and (1-4 or 7-64 or 65-512 or 9-1000 or 2-8192 or 2-8200)) or (test_backward and bfloat16 and (0-8 or 7-64 or 65-512 or 3-4096 or 2-8200)) or inplace or errors or empty_rows or dispatch or torch or lean or broadcast' \
     test_resnorm_gpu.py
   san rn_race racecheck '(test_forward and contig and bfloat16 and (33-256 or 65-512 or 5-2048 or 2-8192)) or (test_backward and contig and float32 and (7-64 or 65-512 or 3-4096 or 2-8192 or 2-8200))' \
     test_resnorm_gpu.py
