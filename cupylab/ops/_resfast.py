@@ -12,9 +12,7 @@ arguments (a CPU test compares the two paths' arguments).
 """
 from __future__ import annotations
 
-import math
-
-from .. import _dtypes, _runtime
+from .. import _arrays, _runtime
 from . import _rowcore as rc
 from . import _rowfast as F
 from . import resnorm as R
@@ -26,37 +24,16 @@ _PLAN_CACHE_MAX = 512
 
 class Plan:
     """``k``, ``grid``, ``block``; ``tail`` (rows ... eps excluded, :func:`resnorm._pack`);
-    ``fdt`` (the framework dtype of ``y`` forward, of ``dx`` backward, None: not written);
     ``lead`` (the statistics' shape); ``ks`` (the column-sum kernel, backward with a weight
     gradient)."""
 
-    __slots__ = ("k", "grid", "block", "tail", "fdt", "lead", "ks")
-
-
-def _dt(fdt):
-    try:
-        return _dtypes.resolve(fdt)
-    except TypeError:
-        return None
+    __slots__ = ("k", "grid", "block", "tail", "lead", "ks")
 
 
 def _framework_dtype(d, like):
     """Whether ``d`` is a dtype object of the framework whose dtype ``like`` is (a
     ``torch.dtype``; a NumPy dtype for CuPy), not a name or a type of another kind."""
     return type(d) is type(like) or type(type(d)) is type(type(like)) is not type
-
-
-def _rows_layout(shape, slots):
-    """The general path's layout (:func:`resnorm.layout`) of C-contiguous row operands of
-    ``shape`` in ``slots`` (the others absent)."""
-    lay = R._Layout()
-    lay.rows, lay.cols, lay.lead = math.prod(shape[:-1]), shape[-1], tuple(shape[:-1])
-    lay.n1 = max(1, lay.rows)
-    lay.so = [0] * 5
-    lay.si = [lay.cols if len(shape) > 1 and i in slots else 0 for i in range(5)]
-    lay.cs = [1 if i in slots else 0 for i in range(5)]
-    lay.quad_ok = True
-    return lay
 
 
 def _keep(key, plan):
@@ -103,13 +80,15 @@ def forward(x, residual, weight, eps, dtype, return_stats):
             return MISS
         key = ("fwd", fdt, pr[0], wp[1], dtype, shape, dev)
         plan = _plans.get(key, 0)
-        if plan == 0:
-            plan = _keep(key, _forward_plan(fdt, pr[0], wp[1], dtype, shape, dev))
         if plan is None:
             return MISS
         new = fw[1]
-        y, py = new(x, None, plan.fdt)
+        y, py = new(x, None, pr[0] if dtype is None else dtype)
         h, ph = new(residual, None, None)
+        if plan == 0:
+            plan = _keep(key, _forward_plan(x, residual, weight, y, h, dev))
+            if plan is None:
+                return MISS
         rstd, ps = new(residual, plan.lead, None) if return_stats else (None, 0)
         stream = fw[2](dev)
     except Exception:  # noqa: BLE001 - anything odd: the general path validates and explains
@@ -119,23 +98,26 @@ def forward(x, residual, weight, eps, dtype, return_stats):
     return (y, h, rstd) if return_stats else (y, h)
 
 
-def _forward_plan(fdt, rfdt, wfdt, dtype, shape, dev):
-    xd, rd = _dt(fdt), _dt(rfdt)
-    yfdt = rfdt if dtype is None else dtype
-    yd = _dt(yfdt)
-    if (xd not in R.TYPES or rd is not R.F32 or yd not in R.TYPES
-            or (wfdt is not None and _dt(wfdt) is not R.F32)):
+def _views(objs):
+    return [None if o is None else _arrays.as_view(o, "add_rms_norm") for o in objs]
+
+
+def _forward_plan(x, residual, weight, y, h, dev):
+    """The plan of the first call of a signature: the general path's class, grid and layout
+    (:func:`resnorm.layout`) of these arrays; None where the general path must run."""
+    xv, rv, yv, hv, wv = _views((x, residual, y, h, weight))
+    if (xv.dtype not in R.TYPES or rv.dtype is not R.F32 or yv.dtype not in R.TYPES
+            or (wv is not None and wv.dtype is not R.F32)):
         return None
-    cls = R.choose("fwd", shape[-1], True)
+    lay = R.layout("add_rms_norm", xv.shape, [xv, rv, yv, hv], wv)
+    cls = R.choose("fwd", lay.cols, lay.quad_ok)
     if cls is None:
         return None
-    lay = _rows_layout(shape, (0, 1, 2, 3))
     p = Plan()
-    p.k = R._kernel(xd, R.kernel_name("fwd", xd, yd, cls))
-    p.block = cls[0]
-    p.grid = min(-(-lay.rows // (cls[0] // cls[1])), R._INT32_MAX)
+    p.k = R._kernel(xv.dtype, R.kernel_name("fwd", xv.dtype, yv.dtype, cls))
+    p.block, p.grid = cls[0], R.forward_grid(lay.rows, cls)
     p.tail = R._pack((0,) * 8, lay)[8:-1]
-    p.fdt, p.lead, p.ks = yfdt, lay.lead, None
+    p.lead, p.ks = lay.lead, None
     return p
 
 
@@ -161,14 +143,16 @@ def backward(dy, h, weight, rstd, dh, x_dtype, weight_grad):
         wgrad = weight is not None and bool(weight_grad)
         key = ("bwd", pdy[0], hfdt, x_dtype, wp[1], wgrad, dh is not None, shape, dev)
         plan = _plans.get(key, 0)
-        if plan == 0:
-            plan = _keep(key, _backward_plan(pdy[0], hfdt, x_dtype, wp[1], wgrad, dh is not None,
-                                             shape, dev))
         if plan is None:
             return MISS
         new = fw[1]
         g, pg = new(h, None, None)
-        gx, pgx = new(h, None, plan.fdt) if plan.fdt is not None else (g, 0)
+        gx, pgx = (g, 0) if x_dtype is None or x_dtype == hfdt else new(h, None, x_dtype)
+        if plan == 0:
+            plan = _keep(key, _backward_plan(dy, h, dh, g, None if gx is g else gx, weight,
+                                             wgrad, dev))
+            if plan is None:
+                return MISS
         dw, pdw = new(h, (shape[-1],), None) if wgrad else (None, 0)
         part, pp = new(h, (plan.grid, shape[-1]), None) if wgrad else (None, 0)
         stream = fw[2](dev)
@@ -182,23 +166,22 @@ def backward(dy, h, weight, rstd, dh, x_dtype, weight_grad):
     return g, gx, dw
 
 
-def _backward_plan(dyfdt, hfdt, x_dtype, wfdt, wgrad, has_dh, shape, dev):
-    dyd, hd = _dt(dyfdt), _dt(hfdt)
-    xd = R.F32 if x_dtype is None else _dt(x_dtype)
-    if (dyd not in R.TYPES or hd is not R.F32 or xd not in R.TYPES
-            or (wfdt is not None and _dt(wfdt) is not R.F32)):
+def _backward_plan(dy, h, dh, g, gx, weight, wgrad, dev):
+    """As :func:`_forward_plan`, for the backward (``gx`` None: the branch is float32)."""
+    dyv, hv, dhv, gv, gxv, wv = _views((dy, h, dh, g, gx, weight))
+    xd = R.F32 if gxv is None else gxv.dtype
+    if (dyv.dtype not in R.TYPES or hv.dtype is not R.F32 or xd not in R.TYPES
+            or (wv is not None and wv.dtype is not R.F32)):
         return None
-    cls = R.choose("bwd", shape[-1], True)
+    lay = R.layout("add_rms_norm_backward", hv.shape, [dyv, hv, dhv, gv, gxv], wv)
+    cls = R.choose("bwd", lay.cols, lay.quad_ok)
     if cls is None:
         return None
-    lay = _rows_layout(shape, (0, 1, 3) + ((2,) if has_dh else ()) + (() if xd is R.F32
-                                                                         else (4,)))
     p = Plan()
-    p.k = R._kernel(xd, R.kernel_name("bwd", xd, dyd, cls))
+    p.k = R._kernel(xd, R.kernel_name("bwd", xd, dyv.dtype, cls))
     p.block = cls[0]
     p.grid = R.backward_grid(lay.rows, cls, _runtime.device_info(dev).sm_count)
     p.tail = R._pack((0,) * 8, lay)[8:-1]
-    p.fdt = None if xd is R.F32 else x_dtype
     p.lead = lay.lead
     p.ks = R.col_sum(xd) if wgrad else None
     return p

@@ -35,7 +35,6 @@ BWD_CLASSES = ((256, 8, 2), (256, 32, 2), (256, 64, 2), (256, 256, 2), (512, 512
 CLASSES = {"fwd": FWD_CLASSES, "bwd": BWD_CLASSES}
 GENERIC_THREADS = 256  # RG in resnorm.cu
 ARGS_FMT = "8Q3q15qd"  # struct ResArgs
-_INT32_MAX = 2**31 - 1
 
 
 def kernel_name(kind, tx, ty, cls):
@@ -89,6 +88,12 @@ def choose(kind, cols, quad_ok):
         if cls[1] * cls[2] >= nq:
             return cls
     return None
+
+
+def forward_grid(rows, cls):
+    """Blocks of the forward: a register class's row groups, the generic kernel's rows (both
+    grid-stride past 2^31 - 1)."""
+    return min(rows if cls is None else -(-rows // (cls[0] // cls[1])), rc._INT32_MAX)
 
 
 def backward_grid(rows, cls, sm_count):
@@ -235,11 +240,8 @@ def add_rms_norm_mixed(c, opname, residual, eps, inplace, out, dtype, return_sta
     if lay.rows:
         cls = choose("fwd", cols, lay.quad_ok)
         k = _kernel(xv.dtype, kernel_name("fwd", xv.dtype, ydt, cls))
-        if cls is None:
-            grid, block = min(lay.rows, _INT32_MAX), GENERIC_THREADS
-        else:
-            block = cls[0]
-            grid = min(-(-lay.rows // (cls[0] // cls[1])), _INT32_MAX)
+        block = GENERIC_THREADS if cls is None else cls[0]
+        grid = forward_grid(lay.rows, cls)
         args = _pack((xv.ptr, rv.ptr, ov.ptr, hv.ptr, 0, wv.ptr if wv is not None else 0,
                       sv.ptr if sv is not None else 0, 0), lay, eps)
         with _launch.ensure_device(c.device):

@@ -136,14 +136,25 @@ _doc(log_softmax, """``x - max - log(sum(exp(x - max)))`` along ``axis``.
 """)
 
 
-def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, stream):
+def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, stream,
+          dtype=None):
     if out is None and stream is None:
-        r = _rowfast.norm(opname, x, residual, weight, bias, eps, return_stats, inplace)
+        # the lean paths: one dtype throughout (_rowfast), or a float32 residual stream
+        # (_resfast; add_rms_norm with a residual of another dtype, or dtype=)
+        stream32 = residual is not None and (dtype is not None or getattr(
+            x, "dtype", None) != getattr(residual, "dtype", None))
+        r = _MISS
+        if not stream32:
+            r = _rowfast.norm(opname, x, residual, weight, bias, eps, return_stats, inplace)
+        elif not inplace:
+            r = _resfast.forward(x, residual, weight, eps, dtype, return_stats)
         if r is not _MISS:
             return r
     if _dask.is_dask(x) or _dask.is_dask(residual):
         kw = {"eps": eps}
         if residual is not None:  # add_rms_norm: h by the elementwise add, then rms_norm of h
+            if dtype is not None:
+                raise TypeError(f"{opname}: dtype= is not supported with Dask arrays")
             if inplace:
                 raise TypeError(f"{opname}: inplace=True is not supported with Dask arrays "
                                 "(they are immutable); use the returned h")
@@ -181,9 +192,13 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
     flags = rc.check_vectors(opname, {k: v[k] for k in ("weight", "bias") if k in v}, xv)
     rc.check_columns(opname, xv.shape)  # before any output is allocated
     rv = v.get("residual")
-    if rv is not None and rv.dtype is not xv.dtype and rv.dtype is rc.F32:
-        # a float32 residual stream under a 16-bit branch: h stays float32
-        return _resnorm.add_rms_norm_mixed(c, opname, residual, eps, inplace, out, None,
+    if rv is not None and (
+            (rv.dtype is not xv.dtype and rv.dtype is rc.F32)
+            or (dtype is not None and not (rv.dtype is xv.dtype
+                                           and _resnorm.same_dtype(dtype, xv.dtype)))):
+        # a float32 residual stream (a float32 residual under another branch dtype, or a y of
+        # another dtype): h stays float32
+        return _resnorm.add_rms_norm_mixed(c, opname, residual, eps, inplace, out, dtype,
                                            return_stats)
     if rv is not None:
         rc.check_same(opname, "residual", rv, xv)
@@ -259,22 +274,8 @@ def add_rms_norm(x, residual, weight, eps=1e-6, inplace=False, out=None, *, retu
     if residual is None:
         raise TypeError("add_rms_norm: residual is required (a GPU array of x's shape and "
                         "dtype); without one, call rms_norm")
-    if out is None and stream is None and not inplace and (
-            dtype is not None or getattr(x, "dtype", None) != getattr(residual, "dtype", None)):
-        r = _resfast.forward(x, residual, weight, eps, dtype, return_stats)
-        if r is not _MISS:
-            return r
-    if dtype is not None:  # y in a dtype of its own: the float32 residual stream's kernels
-        if _dask.is_dask(x) or _dask.is_dask(residual):
-            raise TypeError("add_rms_norm: dtype= is not supported with Dask arrays")
-        c = rc.gather("add_rms_norm", {"x": x, "residual": residual, "weight": weight,
-                                       "out": out}, stream)
-        xdt, rdt = c.views["x"].dtype, c.views["residual"].dtype
-        if not (rdt is xdt and _resnorm.same_dtype(dtype, xdt)):
-            return _resnorm.add_rms_norm_mixed(c, "add_rms_norm", residual, eps, inplace, out,
-                                               dtype, return_stats)
     return _norm("add_rms_norm", x, residual, weight, None, eps, return_stats, inplace, out,
-                 stream)
+                 stream, dtype)
 
 
 _doc(rms_norm, """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis.
