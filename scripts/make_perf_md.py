@@ -14,8 +14,9 @@ This script rewrites the lines between the markers from the ``cupylab-bench`` JS
 ``large16.json``, ``mixed.json``, ``rowwise_<x>.json`` (table ``rowwise-<x>``), the A/B pairs
 ``<x>_before.json`` / ``<x>_after.json`` (table ``rowwise-<x>-ab``; underscores in ``<x>`` as
 dashes in both), the Dask example's ``dask.json``, the
-training example's ``train_tiny_llm.json``, ``train_tiny_llm_b64.json`` and
-``train_tiny_llm_b64_h100.json``,
+training example's ``train_tiny_llm.json``, ``train_tiny_llm_b64.json``,
+``train_tiny_llm_b64_h100.json`` and the fused residual norm's
+``train_tiny_llm_b64_fused_h100.json`` and ``train_tiny_llm_b16_fused_h100.json``,
 the multi-tensor bench's ``multi_tensor.json`` and the command file, and leaves every other
 line (the prose) alone. The per-case tables are formatted by :mod:`cupylab.bench._report`, the
 same code that prints them on the command line.
@@ -389,6 +390,9 @@ DASK = "dask.json"  # scripts/examples/dask_chain.py --json (its own schema)
 TRAIN = "train_tiny_llm.json"
 TRAIN_B64 = "train_tiny_llm_b64.json"
 TRAIN_B64_H100 = "train_tiny_llm_b64_h100.json"  # the same at batch 64 on an H100, fcf81fa
+# the fused residual norms (e5847bb, H100): batch 64 and batch 16
+TRAIN_FUSED = {"train-fused-b64-h100": "train_tiny_llm_b64_fused_h100.json",
+               "train-fused-b16-h100": "train_tiny_llm_b16_fused_h100.json"}
 MT = "multi_tensor.json"  # python -m cupylab.bench.multi_tensor --json (its own schema)
 MT_SCHEMA = "cupylab-multi-tensor/1"
 
@@ -463,6 +467,7 @@ TABLES = {"env": t_env, "sources": t_sources, "sweep-sizes": t_sweep_sizes,
           **{f"rowwise-{x.replace('_', '-')}-ab": _ab(f"{x}_before.json", f"{x}_after.json")
              for x in AB},
           "train-b64": _train(TRAIN_B64), "train-b64-h100": _train(TRAIN_B64_H100),
+          **{k: _train(v) for k, v in TRAIN_FUSED.items()},
           "multi-tensor": t_mt,
           **{f"rowwise-{x.replace('_', '-')}": _results(f"rowwise_{x}.json") for x in ROWWISE}}
 
@@ -476,7 +481,7 @@ def load_data(data_dir: Path) -> dict:
             raise ValueError("not schema cupylab-dask-example/1")
     except (OSError, ValueError) as e:
         raise DocError(f"{data_dir / DASK}: {e}") from None
-    for name in (TRAIN, TRAIN_B64, TRAIN_B64_H100, MT):
+    for name in (TRAIN, TRAIN_B64, TRAIN_B64_H100, *TRAIN_FUSED.values(), MT):
         try:
             data[name] = json.loads((data_dir / name).read_text(encoding="utf-8"))
             if name == MT and data[name].get("schema") != MT_SCHEMA:
