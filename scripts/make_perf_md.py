@@ -16,7 +16,8 @@ This script rewrites the lines between the markers from the ``cupylab-bench`` JS
 dashes in both), the Dask example's ``dask.json``, the
 training example's ``train_tiny_llm.json``, ``train_tiny_llm_b64.json``,
 ``train_tiny_llm_b64_h100.json`` and the fused residual norm's
-``train_tiny_llm_b64_fused_h100.json`` and ``train_tiny_llm_b16_fused_h100.json``,
+``train_tiny_llm_b64_fused_h100.json``, ``train_tiny_llm_b16_fused_h100.json``,
+``train_tiny_llm_b16_ro_h100.json`` and ``train_tiny_llm_b64_ro_h100.json``,
 the multi-tensor bench's ``multi_tensor.json`` and the command file, and leaves every other
 line (the prose) alone. The per-case tables are formatted by :mod:`cupylab.bench._report`, the
 same code that prints them on the command line.
@@ -390,9 +391,12 @@ DASK = "dask.json"  # scripts/examples/dask_chain.py --json (its own schema)
 TRAIN = "train_tiny_llm.json"
 TRAIN_B64 = "train_tiny_llm_b64.json"
 TRAIN_B64_H100 = "train_tiny_llm_b64_h100.json"  # the same at batch 64 on an H100, fcf81fa
-# the fused residual norms (e5847bb, H100): batch 64 and batch 16
+# the fused residual norms (e5847bb, H100): batch 64 and batch 16, default compile mode and
+# --compile-mode reduce-overhead
 TRAIN_FUSED = {"train-fused-b64-h100": "train_tiny_llm_b64_fused_h100.json",
-               "train-fused-b16-h100": "train_tiny_llm_b16_fused_h100.json"}
+               "train-fused-b16-h100": "train_tiny_llm_b16_fused_h100.json",
+               "train-ro-b16-h100": "train_tiny_llm_b16_ro_h100.json",
+               "train-ro-b64-h100": "train_tiny_llm_b64_ro_h100.json"}
 MT = "multi_tensor.json"  # python -m cupylab.bench.multi_tensor --json (its own schema)
 MT_SCHEMA = "cupylab-multi-tensor/1"
 
@@ -401,8 +405,9 @@ def _train(name):
     def table(data):
         d = data[name]
         a = d["args"]
+        cm = a.get("compile_mode", "default")
         head = (f"`python scripts/examples/train_tiny_llm.py --steps {a['steps']} --batch "
-                f"{a['batch']}` on "
+                f"{a['batch']}{'' if cm == 'default' else ' --compile-mode ' + cm}` on "
                 f"{d['device']} (torch {d['torch']}): d_model {a['d_model']}, {a['layers']} "
                 f"layers, seq {a['seq']}, batch {a['batch']}, vocab {a['vocab']}, bf16 "
                 f"autocast; step time by CUDA events, median over the steps after the first "

@@ -480,6 +480,11 @@ def test_example_arguments(example):
         example.parse(["--steps", "5", "--warmup", "5"])
     a = example.parse(["--modes", "cupylab, torch", "--json", "x.json"])
     assert a.modes == ["cupylab", "torch"] and a.json == "x.json" and a.heads == 8
+    assert a.compile_mode == "default"
+    assert example.parse(["--compile-mode", "reduce-overhead"]).compile_mode == "reduce-overhead"
+    with pytest.raises(SystemExit) as e:
+        example.parse(["--compile-mode", "fast"])
+    assert e.value.code == 2
 
 
 def test_example_main_on_cpu(cl, example, no_functional, monkeypatch, tmp_path):

@@ -23,6 +23,10 @@ from the same initial weights in every mode:
 ``torch-compile``    ``torch`` under ``torch.compile(model, fullgraph=True)``
 ``cupylab-compile``  ``cupylab`` under ``torch.compile(model, fullgraph=True)``
 
+``--compile-mode`` passes a ``mode`` to both compiled modes: ``reduce-overhead`` replays the
+compiled forward and backward as CUDA graphs, which takes the host's per-call cost (torch's and
+cupylab's alike) out of a host-bound step.
+
 Reported per mode: the median step time (CUDA events around forward, backward and optimizer
 step, after ``--warmup`` steps; compilation happens in the warm-up), the first step's wall
 time, peak memory, the final loss and the loss curve's distance to ``torch``'s: max over steps
@@ -181,7 +185,12 @@ def run_mode(mode, args, init_state, data):
         opt = torch.optim.AdamW(model.parameters(), foreach=True, **kw)
     else:
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
-    fwd = torch.compile(model, fullgraph=True) if mode.endswith("compile") else model
+    graphs = mode.endswith("compile") and args.compile_mode == "reduce-overhead"
+    if mode.endswith("compile"):
+        cmode = None if args.compile_mode == "default" else args.compile_mode
+        fwd = torch.compile(model, fullgraph=True, mode=cmode)
+    else:
+        fwd = model
     scale = 3.0 if mode == "torch-alt" else None
     xs, ys = data
     cuda = device.type == "cuda"
@@ -196,6 +205,8 @@ def run_mode(mode, args, init_state, data):
     sync()
     first = loss_dtype = None
     def one_step(i):
+        if graphs:  # a new iteration: the previous step's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = fwd(xs[i], ys[i])
         (loss if scale is None else loss * scale).backward()
@@ -208,7 +219,9 @@ def run_mode(mode, args, init_state, data):
         _mark(ev[i], 0, cuda)
         loss = one_step(i)
         _mark(ev[i], 1, cuda)
-        losses.append(loss.detach().float())
+        # a copy (after the step's end event): under CUDA graphs the next replay overwrites
+        # the loss tensor
+        losses.append(loss.detach().float().clone())
         loss_dtype = str(loss.dtype).replace("torch.", "")
         if i == 0:
             sync()
@@ -371,6 +384,10 @@ def parse(argv=None):
     p.add_argument("--profile", metavar="DIR", help="after each mode's timed steps, profile "
                    "3 more with torch.profiler and write DIR/<mode>.txt (kernels by GPU time, "
                    "host operators by CPU time)")
+    p.add_argument("--compile-mode", default="default",
+                   choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                   help="torch.compile's mode for the two compiled modes (reduce-overhead: CUDA "
+                        "graphs)")
     p.add_argument("--no-fuse-residual", dest="fuse_residual", action="store_false",
                    help="in the cupylab modes, keep torch's residual adds beside the swapped "
                         "norms (by default each add and the RMSNorm after it are one cupylab "
