@@ -56,8 +56,9 @@ FILES = {  # stored file -> what it holds
     "sweep.json": "every operator x dtype x power of two 2^10..2^28, peers torch eager and CuPy",
     "sweep_h100.json": "the sweep again on an H100, every second power of two, peers JAX too, "
                        "the tree of 2026-12-06 (29425b8)",
-    "sweep_rowwise_h100.json": "the row-wise operators of that sweep again, both sides "
-                               "allocating their results (the tree of 15faf7c)",
+    "sweep_rowwise_h100.json": "the row-wise operators of that sweep again with the "
+                               "cross-entropy backward, both sides allocating their results "
+                               "(the tree of e5847bb)",
     "fusion.json": "fused_add_mul against torch eager, torch.compile and CuPy",
     "overhead.json": "host cost per call and graph replay",
     "overhead_h100.json": "the same on an H100 (a slower host), with cupy.RawKernel given the "
