@@ -40,7 +40,8 @@ t0=$(date +%s)
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 say() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
-say "gpu_check: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+# the revision, "-dirty" when the tracked files differ from it (a copied tree whose .git is older)
+say "gpu_check: $(git -C "$REPO" describe --always --dirty 2>/dev/null) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 
 # Wheels carried for an offline machine (scripts/device_wheels.sh): Dask for the Dask tests.
 if [ -d "$REPO/.whl" ] && ! $PY -c 'import dask, distributed' 2>/dev/null; then
