@@ -334,3 +334,15 @@ def test_example_compiled(tmp_path):
     _check_records(res, ["torch-compile", "cupylab-compile"])
     assert [(p["mode"], p["peer"]) for p in res["check"]["pairs"]] == [
         ("cupylab-compile", "torch-compile")]
+
+
+def test_example_compiled_cuda_graphs(tmp_path):
+    """--compile-mode reduce-overhead: both compiled modes replay CUDA graphs (cupylab's
+    operators launching on the capturing stream); every step's loss is its own value, copied
+    before the next replay overwrites the graph's output."""
+    res = _example(tmp_path, "--modes", "torch-compile,cupylab-compile", "--compile-mode",
+                   "reduce-overhead")
+    assert res["args"]["compile_mode"] == "reduce-overhead"
+    _check_records(res, ["torch-compile", "cupylab-compile"])
+    for m in ("torch-compile", "cupylab-compile"):
+        assert len(set(res["records"][m]["losses"])) > 4, m
