@@ -96,7 +96,7 @@ F64_SBWD_LADDER = BWD_LADDER[:-1] + ((512, 512, 4, 1),)
 SBWD16_LADDER = ((128, 4, 1, 1), (128, 32, 1, 1), (128, 32, 2, 1), (128, 64, 2, 1),
                  (256, 256, 1, 1), (256, 256, 2, 1), (512, 512, 2, 1), (1024, 1024, 2, 1))
 GENERIC_THREADS = 512  # GT in cupylab_rowgeneric.cuh
-COL_SUM_W = 32  # CS_W in rowwise.cu: col_sum blocks of CS_W x CS_W threads, CS_W columns each
+COL_SUM_W = 32  # CS_W in cupylab_colsum.cuh: col_sum blocks of CS_W x CS_W threads, CS_W columns each
 #: ops that use the persistent cp.async pipeline (row_pipe_kernel) for the non-cluster
 #: classes, in 16-bit dtypes only: PIPE_STAGES rows of each input per block in shared memory.
 #: (The float32 backwards measured 0.85-1.04x of the plain kernel on it, H200.)
@@ -327,6 +327,26 @@ def row_layout(opname, shape, slots, axis, extra=()):
     return lay
 
 
+def merge_rows(opname, lead, lead_strides):
+    """The leading dimensions ``lead`` of a set of operands (``lead_strides``: each one's
+    strides over them) merged into at most two strided levels: ``(n1, strides)``, ``n1`` the
+    inner level's extent (1 without leading dimensions) and per operand its merged strides
+    (0, 1 or 2 of them, outer first). ValueError when they do not merge into two."""
+    sh, sts = coalesce(lead, lead_strides) if lead else ((), [() for _ in lead_strides])
+    if len(sh) > 2:
+        raise ValueError(
+            f"{opname}: the leading dimensions {lead} cannot be merged into two strided levels "
+            "for these arrays; make them contiguous first")
+    return (sh[-1] if sh else 1), sts
+
+
+def split_row_strides(st):
+    """``(outer, inner)`` row strides from an operand's merged strides (:func:`merge_rows`)."""
+    if len(st) == 2:
+        return st[0], st[1]
+    return (0, st[0]) if st else (0, 0)
+
+
 def make_layout(opname, shape, slots, axis, extra=()):
     """Layout of ``slots`` (4 Views or None, all of ``shape``) reduced along ``axis``;
     ``extra``: up to two Views of the leading shape only (the target, then cross-entropy
@@ -340,26 +360,19 @@ def make_layout(opname, shape, slots, axis, extra=()):
     ops = [(i, v) for i, v in enumerate(slots) if v is not None]
     lead_strides = [tuple(s for j, s in enumerate(v.strides) if j != ax) for _, v in ops]
     lead_strides += [tuple(v.strides) for v in extra]
-    sh, sts = coalesce(lead, lead_strides) if lead else ((), [() for _ in lead_strides])
-    if len(sh) > 2:
-        raise ValueError(
-            f"{opname}: the leading dimensions {lead} cannot be merged into two strided levels "
-            "for these arrays; make them contiguous first")
+    n1, sts = merge_rows(opname, lead, lead_strides)
     lay = Layout()
     rows = 1
     for e in lead:
         rows *= e
     lay.rows, lay.cols, lay.lead_shape = rows, cols, lead
-    lay.n1 = sh[-1] if sh else 1
+    lay.n1 = n1
     so, si, cs = [0] * 4, [0] * 4, [0] * 4
     for (i, v), st in zip(ops, sts):
-        if len(st) == 2:
-            so[i], si[i] = st
-        elif len(st) == 1:
-            si[i] = st[0]
+        so[i], si[i] = split_row_strides(st)
         cs[i] = v.strides[ax] if cols > 1 else 1
     for i, st in zip((1, 3), sts[len(ops):]):
-        so[i], si[i] = (st if len(st) == 2 else ((0,) + tuple(st) if st else (0, 0)))
+        so[i], si[i] = split_row_strides(st)
     lay.so, lay.si, lay.cs = so, si, cs
     isz = slots[0].dtype.itemsize
     vec = all(cs[i] == 1 for i, _ in ops)
@@ -653,11 +666,15 @@ def launch_rows(c, op, dt, lay, args_fn, parts_cb=None):
     return nparts
 
 
+#: the argument formats of ``cl::col_sum`` (cupylab_colsum.cuh): part, part1, nparts, cols,
+#: out, out1
+COL_SUM_FMTS = ("Q", "Q", "q", "q", "Q", "Q")
+
+
 def col_sum_kernel(dt, wdt):
     """The weight-gradient column sum for x of dtype ``dt`` and weights of ``wdt``."""
     a = acc_dtype(dt)
-    return kernel("norm_bwd", dt, f"cl::col_sum<{a.ctype}, {wdt.ctype}>",
-                  ("Q", "Q", "q", "q", "Q", "Q"))
+    return kernel("norm_bwd", dt, f"cl::col_sum<{a.ctype}, {wdt.ctype}>", COL_SUM_FMTS)
 
 
 def launch_col_sum(k, device, stream, part, nparts, cols, out, part1=0, out1=0):

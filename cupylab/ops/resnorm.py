@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 from .. import _compile, _dtypes, _launch, _runtime
-from .._elementwise_core import coalesce
 from . import _rowcore as rc
 
 __all__ = ["add_rms_norm_mixed", "add_rms_norm_backward", "all_programs"]
@@ -108,7 +107,7 @@ def backward_grid(rows, cls, sm_count):
 def col_sum(tx):
     """The weight gradient's column sum (``cl::col_sum<float, float>``, in ``tx``'s
     program)."""
-    return _kernel(tx, "cl::col_sum<float, float>", ("Q", "Q", "q", "q", "Q", "Q"))
+    return _kernel(tx, "cl::col_sum<float, float>", rc.COL_SUM_FMTS)
 
 
 class _Layout:
@@ -121,22 +120,13 @@ def layout(opname, shape, views, weight=None):
     otherwise), per operand the two row strides and the column stride, and ``quad_ok``."""
     lead, cols = shape[:-1], shape[-1]
     ops = [(i, v) for i, v in enumerate(views) if v is not None]
-    sh, sts = (coalesce(lead, [tuple(v.strides[:-1]) for _, v in ops]) if lead
-               else ((), [() for _ in ops]))
-    if len(sh) > 2:
-        raise ValueError(
-            f"{opname}: the leading dimensions {lead} cannot be merged into two strided levels "
-            "for these arrays; make them contiguous first")
+    n1, sts = rc.merge_rows(opname, lead, [tuple(v.strides[:-1]) for _, v in ops])
     lay = _Layout()
-    lay.rows, lay.cols, lay.lead = math.prod(lead), cols, lead
-    lay.n1 = sh[-1] if sh else 1
+    lay.rows, lay.cols, lay.lead, lay.n1 = math.prod(lead), cols, lead, n1
     lay.so, lay.si, lay.cs = [0] * 5, [0] * 5, [0] * 5
     ok = cols % 4 == 0 and (weight is None or weight.ptr % 16 == 0)
     for (i, v), st in zip(ops, sts):
-        if len(st) == 2:
-            lay.so[i], lay.si[i] = st
-        elif len(st) == 1:
-            lay.si[i] = st[0]
+        lay.so[i], lay.si[i] = rc.split_row_strides(st)
         lay.cs[i] = v.strides[-1] if cols > 1 else 1
         q = 4 * v.dtype.itemsize  # a quad's bytes
         ok = ok and lay.cs[i] == 1 and not (v.ptr % q or (lay.so[i] * v.dtype.itemsize) % q
@@ -302,8 +292,6 @@ def add_rms_norm_backward(dy, h, weight, rstd, dh=None, *, x_dtype=None, weight_
     """
     opname = "add_rms_norm_backward"
     if stream is None:
-        from . import _resfast  # noqa: PLC0415 - it imports this module
-
         r = _resfast.backward(dy, h, weight, rstd, dh, x_dtype, weight_grad)
         if r is not _resfast.MISS:
             return r
@@ -356,3 +344,7 @@ def add_rms_norm_backward(dy, h, weight, rstd, dh=None, *, x_dtype=None, weight_
     g = rc.finish(c, gobj)
     return (g, g if gxobj is None else rc.finish(c, gxobj),
             None if dwobj is None else rc.finish(c, dwobj))
+
+
+# the lean path (it imports this module, so it is imported once this one is complete)
+from . import _resfast  # noqa: E402

@@ -185,12 +185,11 @@ def run_mode(mode, args, init_state, data):
         opt = torch.optim.AdamW(model.parameters(), foreach=True, **kw)
     else:
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
-    graphs = mode.endswith("compile") and args.compile_mode == "reduce-overhead"
-    if mode.endswith("compile"):
-        cmode = None if args.compile_mode == "default" else args.compile_mode
-        fwd = torch.compile(model, fullgraph=True, mode=cmode)
-    else:
-        fwd = model
+    compiled = mode.endswith("compile")
+    graphs = compiled and args.compile_mode == "reduce-overhead"
+    fwd = (torch.compile(model, fullgraph=True,
+                         mode=None if args.compile_mode == "default" else args.compile_mode)
+           if compiled else model)
     scale = 3.0 if mode == "torch-alt" else None
     xs, ys = data
     cuda = device.type == "cuda"
