@@ -324,4 +324,27 @@ __device__ __forceinline__ void issue_stage(Vec<T, V>* stage, const RowArgs& p, 
         issue_row<T, V, NV, TPR, THREADS, 1>(stage + NV * THREADS, p, row, sbase, cols, T());
 }
 
+// ---- weights staged in shared memory (row_pipe_kernel of the forward norms) ---------------
+// The weight (and layer_norm's bias) of the whole row is copied into shared memory once per
+// block, in the prologue of the pipeline, beside the first rows: its loads overlap theirs
+// instead of following the row's reduction (row_reg with WST, at decoding shapes).
+//
+// Bytes of one staged array: its elements (T, or float32 with flags & 4) rounded up to 32, so
+// that every staged array starts where load_wslot_t's widest word (eight float32) may
+template <typename T>
+__device__ __forceinline__ int wstage_bytes(int cols, const RowArgs& p) {
+    const int ws = (p.flags & 4) ? 4 : (int)sizeof(T);
+    return (cols * ws + 31) & ~31;
+}
+// Copy `bytes` bytes of global array w into shared memory at dst, the block's threads side by
+// side: whole 16-byte words by cp.async when w is 16-byte aligned, the rest (and everything of
+// an unaligned w) byte-exact by plain loads, so that nothing past the array is read.
+__device__ __forceinline__ void stage_array(unsigned char* dst, u64 w, int bytes, int threads) {
+    const int words = (w & 15) == 0 ? bytes / 16 : 0;
+    for (int i = threadIdx.x; i < words; i += threads)
+        cp_async16(dst + 16 * i, reinterpret_cast<const void*>(w + 16 * i));
+    for (int i = 16 * words + threadIdx.x; i < bytes; i += threads)
+        dst[i] = reinterpret_cast<const unsigned char*>(w)[i];
+}
+
 }  // namespace cl

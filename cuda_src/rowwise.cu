@@ -25,7 +25,7 @@ namespace cl {
 
 // ---- register kernels ------------------------------------------------------------------
 template <typename T, int OP, int THREADS, int TPR, int NV, int C, bool PIPE = false,
-          bool SROW = false>
+          bool SROW = false, bool WST = false>
 __device__ __forceinline__ void row_reg(const RowArgs& p) {
     typedef typename Acc<T>::type A;
     constexpr int V = 16 / sizeof(T);
@@ -51,8 +51,33 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
     // holding the row of each input (the backwards: y or x, then dy)
     constexpr int NIN = TWO_IN ? 2 : 1;
     constexpr int STAGE = NIN * NV * THREADS;
-    extern __shared__ __align__(16) unsigned char pipe_buf[];
+    extern __shared__ __align__(32) unsigned char pipe_buf[];  // 32: the staged weights
     Vec<T, V>* stages = reinterpret_cast<Vec<T, V>*>(pipe_buf);
+    // WST (the forward norms' pipelined kernel, at decoding shapes: _rowcore.pipe_plan): the
+    // weight (and bias) copied into shared memory after the stages, with the first stage's
+    // group, so that their loads overlap the row's instead of following its reduction.
+    // wsrc / bsrc: where the weight and bias are read from (generic addresses: global memory,
+    // or the staged copies; 0 for none), by the same loads either way.
+    // (without WST they are p.w and p.b themselves: read from the parameters where used, not
+    // held in registers across the kernel, which made layer_norm spill)
+    u64 wsrc = 0, bsrc = 0;
+    if constexpr (WST) {
+        wsrc = p.w;
+        bsrc = p.b;
+        static_assert(PIPE && (OP == OP_RMS || OP == OP_ADD_RMS || OP == OP_LN),
+                      "staged weights: the forward norms' pipelined kernel");
+        unsigned char* sw = pipe_buf + PIPE_STAGES * STAGE * 16;
+        const int nbytes = cols * ((p.flags & 4) ? 4 : (int)sizeof(T));
+        if (p.w) {
+            stage_array(sw, p.w, nbytes, THREADS);
+            wsrc = reinterpret_cast<u64>(sw);
+            sw += wstage_bytes<T>(cols, p);
+        }
+        if (OP == OP_LN && p.b) {
+            stage_array(sw, p.b, nbytes, THREADS);
+            bsrc = reinterpret_cast<u64>(sw);
+        }
+    }
     if constexpr (PIPE) {
 #pragma unroll
         for (int q = 0; q < PIPE_STAGES - 1; ++q) {
@@ -89,6 +114,11 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 (unit + (PIPE_STAGES - 1) * nunits) * RPB + group, sbase, cols);
             cp_async_commit();
             cp_async_wait<PIPE_STAGES - 1>();
+            // the staged weights were copied by the whole block: visible to all after a barrier
+            // (the first row only; the condition is the same in every thread of the block)
+            if constexpr (WST) {
+                if (it == 0) __syncthreads();
+            }
             const Vec<T, V>* cur = stages + (it % PIPE_STAGES) * STAGE;
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
@@ -434,16 +464,16 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 A wv[V], f[V];
                 unpack<T, V>(a[j], f);
                 if constexpr (OP == OP_LN) {  // the rms norms have no bias
-                    load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
+                    load_wslot<T, V>(wv, p, WST ? wsrc : p.w, e0, cols, A(1));
                     A bv[V];  // no bias: -0, which adds nothing (a -0 result stays -0, as torch)
-                    load_wslot<T, V>(bv, p, p.b, e0, cols, -A(0));
+                    load_wslot<T, V>(bv, p, WST ? bsrc : p.b, e0, cols, -A(0));
 #pragma unroll
                     for (int k = 0; k < V; ++k) f[k] = (f[k] - mean) * rstd * wv[k] + bv[k];
                 } else {
 #pragma unroll
                     for (int k = 0; k < V; ++k) f[k] *= rstd;
                     if (p.w) {  // no neutral fill and multiply by 1 without a weight
-                        load_wslot<T, V>(wv, p, p.w, e0, cols, A(1));
+                        load_wslot<T, V>(wv, p, WST ? wsrc : p.w, e0, cols, A(1));
 #pragma unroll
                         for (int k = 0; k < V; ++k) f[k] *= wv[k];
                     }
@@ -576,9 +606,12 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_kernel(const RowA
 
 // Persistent variant (blocks loop over rows): the next PIPE_STAGES - 1 rows of each input are
 // copied into shared memory while the current one is processed.
-template <typename T, int OP, int THREADS, int TPR, int NV>
-__global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_pipe_kernel(const RowArgs p) {
-    row_reg<T, OP, THREADS, TPR, NV, 1, true>(p);
+// WST: the forward norms' weights staged in shared memory (row_reg), for grids of at most one
+// block an SM: compiled for one resident block (no register cap below 64 a thread to keep
+// several blocks an SM, so the staged layer_norm does not spill).
+template <typename T, int OP, int THREADS, int TPR, int NV, bool WST = false>
+__global__ void __launch_bounds__(THREADS, WST ? 1 : 1024 / THREADS) row_pipe_kernel(const RowArgs p) {
+    row_reg<T, OP, THREADS, TPR, NV, 1, true, false, WST>(p);
 }
 
 // 16-bit softmax_backward and log_softmax_backward with their rows in shared memory: each

@@ -266,6 +266,15 @@ def _rms_norm_backward_rows(dy, x, weight, rstd):
     return dx, np.sum(dy * xh, axis=tuple(range(x.ndim - 1)))
 
 
+def bench_vector(cols, bias=False):
+    """The weight (``bias=False``: 0.5 to 1.5) or bias (-0.625 to 0.625) of the weighted norm
+    cases of cupylab-bench (``rms_norm_w``, ``layer_norm_wb``): multiples of 1/16 and 1/8,
+    exact in every float dtype, so that the GPU's copy in x's dtype and this float64 one
+    hold the same values. Made from the column index alone, as the sampled rows require."""
+    j = np.arange(cols)
+    return ((j * 13) % 11 - 5) / 8.0 if bias else 1.0 + ((j * 37) % 17 - 8) / 16.0
+
+
 ROWWISE_REFERENCES = {
     "softmax": _softmax_rows, "log_softmax": _log_softmax_rows,
     "rms_norm": _rms_norm_rows, "layer_norm": _layer_norm_rows,
@@ -282,6 +291,9 @@ REFERENCES.update({
     "rows:rms_norm": lambda x: _rms_norm_rows(x)[0],
     "rows:layer_norm": lambda x: _layer_norm_rows(x)[0],
     "rows:add_rms_norm": lambda x, r: _rms_norm_rows(_f(x) + _f(r))[0],
+    "rows:rms_norm_w": lambda x: _rms_norm_rows(x, bench_vector(np.shape(x)[-1]))[0],
+    "rows:layer_norm_wb": lambda x: _layer_norm_rows(
+        x, bench_vector(np.shape(x)[-1]), bench_vector(np.shape(x)[-1], True))[0],
     "rows:softmax_backward": _softmax_backward_rows,
     "rows:log_softmax_backward": _log_softmax_backward_rows,
     # the norms' backward: dx only (no weight), with the statistics of x at the forward's eps

@@ -7,7 +7,8 @@
 #   rowwise_fp32.json   forwards, float32, the same shapes with 16384x32768 as the largest
 #   rowwise_bwd.json    backwards (softmax, log_softmax, rms_norm, layer_norm), bfloat16 and
 #                       float32, 8192x8192 and 32768x1024
-#   rowwise_small.json  forwards, bfloat16, decoding shapes 16x4096 and 128x4096
+#   rowwise_small.json  forwards, bfloat16, decoding shapes 16x4096 and 128x4096, with the
+#                       weighted norms (rms_norm_w, layer_norm_wb) beside
 #   rowwise_ce.json     cross-entropy with its gradient written in the forward, bfloat16,
 #                       8192x128256 (a 128k vocabulary)
 #
@@ -48,6 +49,6 @@ run rowwise_bf16 "${FWD[@]}" -d bfloat16 -s 4096x4096 -s 8192x8192 -s 32768x1024
 run rowwise_fp32 "${FWD[@]}" -d float32 -s 4096x4096 -s 8192x8192 -s 32768x1024 \
     -s 1024x65536 -s 16384x32768
 run rowwise_bwd "${BWD[@]}" -d bfloat16,float32 -s 8192x8192 -s 32768x1024
-run rowwise_small "${FWD[@]}" -d bfloat16 -s 16x4096 -s 128x4096
+run rowwise_small "${FWD[@]}" rms_norm_w layer_norm_wb -d bfloat16 -s 16x4096 -s 128x4096
 run rowwise_ce cross_entropy -d bfloat16 -s 8192x128256
 exit $worst

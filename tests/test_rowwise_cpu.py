@@ -185,6 +185,33 @@ def test_16bit_layer_norm_leaves_the_pipeline_beyond_a_few_row_groups_an_sm():
             assert rc.pipe_plan(op, dt, (128, 128, 4, 1), 8192, 132, 232448, 90) is not None
 
 
+def test_the_norms_stage_their_weights_at_decoding_shapes():
+    # bytes of the staged arrays: each rounded up to 32, forward norms only
+    assert rc.wstage_bytes(2, 4096, 2, 1) == 8192
+    assert rc.wstage_bytes(3, 1001, 2, 2) == 2 * 2016
+    assert rc.wstage_bytes(3, 1001, 4, 1) == 4032
+    assert rc.wstage_bytes(0, 4096, 2, 1) == 0 and rc.wstage_bytes(12, 4096, 2, 1) == 0
+    assert rc.wstage_bytes(2, 4096, 2, 0) == 0
+    # while each SM gets at most one block's rows, with room: a block a row of 4,096, four
+    # rows of 1,024 a block
+    assert rc.stages_weights(2, (128, 128, 4, 1), 132, 132, 24576, 8192, 232448)
+    assert not rc.stages_weights(2, (128, 128, 4, 1), 133, 132, 24576, 8192, 232448)
+    assert rc.stages_weights(3, (128, 32, 4, 1), 528, 132, 24576, 4096, 232448)
+    assert not rc.stages_weights(3, (128, 32, 4, 1), 529, 132, 24576, 4096, 232448)
+    assert not rc.stages_weights(4, (1024, 1024, 4, 1), 16, 132, 196608, 65536, 232448)
+    assert not rc.stages_weights(2, (128, 128, 4, 1), 16, 132, 24576, 0, 232448)
+    assert not rc.stages_weights(0, (128, 128, 4, 1), 16, 132, 24576, 8192, 232448)
+    # the staged variants are compiled beside the others, for the forward norms only
+    for dt in (BF16, F16):
+        names = rc.name_expressions("norm", dt)
+        staged = [n for n in names if n.endswith(", true>")]
+        assert staged and all(n.startswith("cl::row_pipe_kernel<") for n in staged)
+        assert len(staged) == len([n for n in names if n.startswith("cl::row_pipe_kernel<")]) / 2
+        assert not any(n.endswith(", true>") for n in rc.name_expressions("softmax", dt))
+    with pytest.raises(ValueError, match="stages no weights"):
+        rc.kernel_name(0, BF16, (128, 128, 4, 1), True, True)
+
+
 def test_pipe_plan(monkeypatch):
     assert rc.pipe_plan(0, BF16, (256, 256, 4, 1), 8192, 132, 232448, 90) == (528, 49152)
     assert rc.pipe_plan(1, BF16, (128, 32, 4, 1), 32768, 132, 232448, 90) == (1056, 24576)
@@ -269,7 +296,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 696
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 744
 
 
 def test_errors_need_no_gpu():
@@ -475,7 +502,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 696
+    assert n == 744
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():
@@ -528,6 +555,29 @@ def test_bench_references_of_the_backwards_and_cross_entropy():
     np.testing.assert_allclose(g, R.ROWWISE_REFERENCES["cross_entropy"](x, t)[2])
     np.testing.assert_allclose(g.sum(axis=-1), 0.0, atol=1e-12)  # softmax - onehot
     assert np.all(g[np.arange(5), t] < 0)
+
+
+def test_bench_cases_of_the_weighted_norms():
+    from cupylab._registry import OPS
+
+    for name in ("rms_norm_w", "layer_norm_wb"):
+        spec = OPS[name]
+        assert spec.rowwise and spec.n_inputs == 1
+        assert spec.reference == f"rows:{name}" and spec.reference in R.REFERENCES
+        assert set(spec.peers) == {"torch", "torch.compile"}
+        assert spec.bytes_per_element(2) == 4
+    # the vectors: exact in bfloat16 (8 significant bits), within the documented ranges
+    for bias, lo, hi in ((False, 0.5, 1.5), (True, -0.625, 0.625)):
+        v = R.bench_vector(1000, bias)
+        assert v.min() == lo and v.max() == hi
+        assert np.all(v * 256 == np.round(v * 256))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 37))
+    w, b = R.bench_vector(37), R.bench_vector(37, True)
+    np.testing.assert_allclose(R.REFERENCES["rows:rms_norm_w"](x),
+                               R.ROWWISE_REFERENCES["rms_norm"](x, w, 1e-6)[0], rtol=1e-15)
+    np.testing.assert_allclose(R.REFERENCES["rows:layer_norm_wb"](x),
+                               R.ROWWISE_REFERENCES["layer_norm"](x, w, b, 1e-5)[0], rtol=1e-15)
 
 
 def test_bench_backward_cases_make_their_inputs_once(monkeypatch):

@@ -611,6 +611,37 @@ def test_rms_weight_alignment(rows, cols, dt, layout, wshift):
     check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, hw, 1e-6)[0], dt, 2, "add y")
 
 
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("wdt", ["same", "float32"])
+@pytest.mark.parametrize("wshift", [0, 1, 8])
+@pytest.mark.parametrize("rows,cols", [(16, 4096), (5, 1001), (128, 33), (3, 8192), (900, 2048)])
+def test_staged_weights(rows, cols, dt, wdt, wshift):
+    """The 16-bit forward norms' pipelined kernel copies the weight and bias into shared
+    memory beside the first rows (where the grid keeps its size: the few rows here, and
+    900 x 2048): aligned arrays by 16-byte words, arrays 1 or 8 elements into an allocation
+    byte by byte, rows whose length leaves a partial last word, float32 weights; with a weight
+    alone, a bias alone, and both."""
+    rng = np.random.default_rng(cols + 7 * wshift + rows)
+    h, x = make(rng, "cupy", rows, cols, dt)
+    wd = np_dtype(dt) if wdt == "same" else np.float32
+    hw = (rng.standard_normal(cols + wshift) + 1).astype(wd)
+    hb = rng.standard_normal(cols + wshift).astype(wd)
+    w, b = cupy_from_host(hw)[wshift:], cupy_from_host(hb)[wshift:]
+    hw, hb = hw[wshift:], hb[wshift:]
+    check(cupylab.rms_norm(x, w, eps=1e-6), R.ROWWISE_REFERENCES["rms_norm"](h, hw, 1e-6)[0],
+          dt, 2, "rms_norm")
+    for ww, bb in ((w, b), (w, None), (None, b)):
+        ref = R.ROWWISE_REFERENCES["layer_norm"](h, None if ww is None else hw,
+                                                  None if bb is None else hb, 1e-5)[0]
+        check(cupylab.layer_norm(x, ww, bb), ref, dt, 2,
+              f"layer_norm weight {ww is not None} bias {bb is not None}")
+    hr = rng.standard_normal((rows, cols)).astype(np_dtype(dt))
+    hsum = (h.astype(np.float64) + hr.astype(np.float64)).astype(np_dtype(dt))
+    y, hh = cupylab.add_rms_norm(x, cupy_from_host(hr), w, eps=1e-6)
+    check(hh, hsum, dt, 0.01, "add h")
+    check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, hw, 1e-6)[0], dt, 2, "add y")
+
+
 @pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("layout", ["contig", "offset"])
 @pytest.mark.parametrize("rows,cols", [(20000, 33), (3000, 1000), (1500, 8192), (70001, 5),

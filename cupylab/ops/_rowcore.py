@@ -198,7 +198,10 @@ def acc_dtype(dt):
     return F64 if dt.name == "float64" else F32
 
 
-def kernel_name(op, dt, cls, pipe=False):
+def kernel_name(op, dt, cls, pipe=False, wst=False):
+    """The name expression of ``op``'s kernel for class ``cls`` (None: row_generic);
+    ``pipe``: the pipelined kernel, ``wst``: its variant with staged weights (forward
+    norms)."""
     if cls is None:
         return f"cl::row_generic<{dt.ctype}, {op}>"
     th, tpr, nv, c = cls
@@ -206,6 +209,10 @@ def kernel_name(op, dt, cls, pipe=False):
         if not pipelined(op, dt, cls):
             raise ValueError(f"kernel_name: op {op} on {dt.name} has no pipelined kernel for "
                              f"class {cls} (see pipelined)")
+        if wst:
+            if op not in NORM_FWD_OPS:
+                raise ValueError(f"kernel_name: op {op} stages no weights (see NORM_FWD_OPS)")
+            return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}, true>"
         return f"cl::row_pipe_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
     if sbwd(op, dt, cls):
         return f"cl::row_sbwd_kernel<{dt.ctype}, {op}, {th}, {tpr}, {nv}>"
@@ -220,8 +227,8 @@ def name_expressions(group, dt):
     names = []
     for op in GROUPS[group]:
         names += [kernel_name(op, dt, cls) for cls in ladder(op, dt)] + [kernel_name(op, dt, None)]
-        names += [kernel_name(op, dt, cls, True) for cls in ladder(op, dt)
-                  if pipelined(op, dt, cls)]
+        names += [kernel_name(op, dt, cls, True, w) for cls in ladder(op, dt)
+                  if pipelined(op, dt, cls) for w in (False, True)[:1 + (op in NORM_FWD_OPS)]]
     a = acc_dtype(dt)
     if group == "ce":
         names += [f"cl::ce_aux<{a.ctype}>", f"cl::ce_backward<{dt.ctype}>"]
@@ -592,6 +599,33 @@ def pack_tail(lay, flags=0):
 ARGS_SIZE = struct.calcsize("@" + ARGS_FMT)
 
 
+#: the forward norms (rms_norm, layer_norm, add_rms_norm): their pipelined kernel has a variant
+#: that stages the weight (and bias) in shared memory (:func:`stages_weights`)
+NORM_FWD_OPS = (2, 3, 4)
+
+
+def wstage_bytes(op, cols, wsize, narrays):
+    """Dynamic shared memory for the ``narrays`` weight / bias arrays (``wsize`` bytes an
+    element) that the pipelined kernel of a forward norm stages (each rounded up to 32
+    bytes, as wstage_bytes in cupylab_rowwise.cuh); 0 for other ops."""
+    if op not in NORM_FWD_OPS or not narrays:
+        return 0
+    return narrays * (-(-cols * wsize // 32) * 32)
+
+
+def stages_weights(op, cls, rows, sm_count, smem, wbytes, smem_optin):
+    """Whether the pipelined kernel of a forward norm (``smem`` bytes of stages) takes the
+    variant that stages the weights (``wbytes``, :func:`wstage_bytes`) in shared memory: at
+    decoding shapes, while each SM gets at most one block's rows, where the weights' loads
+    overlap the row's. The first form of the change measured (H100, bfloat16, 16 and 128 rows
+    of 4,096 and 16 x 8,192) 1.04-1.08x for rms_norm with a weight, 1.07-1.10x for
+    layer_norm with both, 1.02-1.05x for add_rms_norm; beyond, where a block's later rows
+    find the weights in L1 anyway, 0.97-1.00x (docs/tuning.md, "Weights staged at decoding
+    shapes")."""
+    return (bool(wbytes) and op in NORM_FWD_OPS and smem + wbytes <= smem_optin
+            and -(-rows // (cls[0] // cls[1])) <= sm_count)
+
+
 def pipe_plan(op, dt, cls, rows, sm_count, smem_optin, cc):
     """``(grid, dynamic shared memory)`` of the persistent pipelined kernel for ``cls``, or
     None when it does not apply (other ops, compute capability below 8.0 (no ``cp.async``),
@@ -635,19 +669,24 @@ def _opt_in(k, device, smem):
     _smem_set[key] = smem
 
 
-def plan_rows(op, dt, lay, device):
+def plan_rows(op, dt, lay, device, wbytes=0):
     """The launch for ``lay`` on ``device``: ``(kernel, grid, block, dynamic shared memory,
     partial rows)``, the kernel chosen by row length (:func:`choose`), the persistent pipeline
     where it applies (:func:`pipe_plan`, shared memory opted in), else :func:`grid_for`, with
-    the dynamic shared memory of a cluster row held there (:func:`row_smem_bytes`)."""
+    the dynamic shared memory of a cluster row held there (:func:`row_smem_bytes`).
+    ``wbytes``: the forward norms' weights to stage (:func:`wstage_bytes`)."""
     info = _runtime.device_info(device)
     cls = choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
     block = GENERIC_THREADS if cls is None else cls[0]
     pp = pipe_plan(op, dt, cls, lay.rows, info.sm_count, info.max_smem_optin, info.cc)
     if pp is not None:
-        k = kernel(group_of(op), dt, kernel_name(op, dt, cls, True))
-        _opt_in(k, device, pp[1])  # beyond the 48 KiB default with the static reduce arrays
-        return k, pp[0], block, pp[1], pp[0] * (cls[0] // cls[1]) if op in BWD_W else 0
+        grid, smem = pp
+        wst = stages_weights(op, cls, lay.rows, info.sm_count, smem, wbytes, info.max_smem_optin)
+        if wst:
+            smem += wbytes
+        k = kernel(group_of(op), dt, kernel_name(op, dt, cls, True, wst))
+        _opt_in(k, device, smem)  # beyond the 48 KiB default with the static reduce arrays
+        return k, grid, block, smem, grid * (cls[0] // cls[1]) if op in BWD_W else 0
     grid, nparts = grid_for(op, cls, lay.rows, info.sm_count)
     k = kernel(group_of(op), dt, kernel_name(op, dt, cls))
     smem = 0 if cls is None else row_smem_bytes(op, dt, cls)
@@ -656,11 +695,12 @@ def plan_rows(op, dt, lay, device):
     return k, grid, block, smem, nparts
 
 
-def launch_rows(c, op, dt, lay, args_fn, parts_cb=None):
-    """Choose the kernel for ``lay`` (:func:`plan_rows`) and launch it on ``c.stream``.
-    ``args_fn(parts_ptrs)`` returns the packed arguments given the partial-sum buffers
-    (``parts_cb(nparts)`` makes them for the weight-gradient ops). Returns the partial rows."""
-    k, grid, block, smem, nparts = plan_rows(op, dt, lay, c.device)
+def launch_rows(c, op, dt, lay, args_fn, parts_cb=None, wbytes=0):
+    """Choose the kernel for ``lay`` (:func:`plan_rows`; ``wbytes``: the forward norms'
+    weights to stage) and launch it on ``c.stream``. ``args_fn(parts_ptrs)`` returns the
+    packed arguments given the partial-sum buffers (``parts_cb(nparts)`` makes them for the
+    weight-gradient ops). Returns the partial rows."""
+    k, grid, block, smem, nparts = plan_rows(op, dt, lay, c.device, wbytes)
     parts = parts_cb(nparts) if (parts_cb is not None and nparts) else {}
     k.launch(c.device, grid, block, c.stream, args_fn(parts), shared_mem=smem)
     return nparts

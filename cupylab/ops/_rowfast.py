@@ -158,17 +158,22 @@ def _lead_pair(a, b):
     return None if p1 is None else (*lead, p1)
 
 
-def _plan(key, opname, objs, weight, flags, dev):
+def _plan(key, opname, objs, weight, flags, dev, bias=None):
     """Build the plan of ``key`` from the first call's operands (``objs``: the row operands in
-    slot order in0, in1, out0, out1, None for absent; on device ``dev``) with the general
-    path's functions."""
+    slot order in0, in1, out0, out1, None for absent; on device ``dev``; ``weight`` and
+    ``bias``, None for absent) with the general path's functions."""
     op = rc.OP[opname]
     views = [None if o is None else _arrays.as_view(o, opname) for o in objs]
     x = views[0]
     dt = x.dtype
     lay = rc.make_layout(opname, x.shape, views, -1)
     p = Plan()
-    p.k, p.grid, p.block, p.smem, p.nparts = rc.plan_rows(op, dt, lay, dev)
+    wb = 0
+    if weight is not None or bias is not None:  # the forward norms stage them
+        wv = _arrays.as_view(weight if weight is not None else bias, opname)
+        wb = rc.wstage_bytes(op, lay.cols, wv.dtype.itemsize,
+                             (weight is not None) + (bias is not None))
+    p.k, p.grid, p.block, p.smem, p.nparts = rc.plan_rows(op, dt, lay, dev, wb)
     p.tail = rc.pack_tail(lay, flags)
     p.ks = None
     if weight is not None and op in rc.BWD_W:
@@ -251,7 +256,7 @@ def norm(opname, x, residual, weight, bias, eps, return_stats, inplace):
                 h, ph = new(x, None, None)
         plan = _plans.get(key)
         if plan is None:
-            plan = _plan(key, opname, (x, residual, y, h), weight, flags, dev)
+            plan = _plan(key, opname, (x, residual, y, h), weight, flags, dev, bias)
         if py & 15 or (ph & 15 and not inplace):
             return MISS  # a fresh output off 16 bytes: not what the plan assumed
         mean = rstd = None

@@ -247,8 +247,11 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
                 "b": v["bias"].ptr if "bias" in v else 0,
                 "st0": mv.ptr if mv is not None else 0, "st1": sv.ptr if sv is not None else 0}
         with rc._launch.ensure_device(c.device):
+            wv = v["weight"] if "weight" in v else v.get("bias")  # the staged weights
+            wb = 0 if wv is None else rc.wstage_bytes(
+                rc.OP[opname], lay.cols, wv.dtype.itemsize, ("weight" in v) + ("bias" in v))
             rc.launch_rows(c, rc.OP[opname], xv.dtype, lay,
-                           lambda parts: rc.pack(ptrs, lay, flags=flags, eps=eps))
+                           lambda parts: rc.pack(ptrs, lay, flags=flags, eps=eps), wbytes=wb)
     y = yobj if out is not None else rc.finish(c, yobj)
     res = [y]
     if rv is not None:
@@ -622,8 +625,30 @@ def _register():
             return sys.modules["jax"].numpy.signbit(x).sum(-1) % cols
         return (x.view(f"i{x.dtype.itemsize}") < 0).sum(-1, dtype="int64") % cols  # CuPy
 
+    def vector_like(x, bias=False):
+        """The weighted norm cases' weight or bias (:func:`cupylab.reference.bench_vector`)
+        as an array of x's framework, dtype and device."""
+        from .. import reference  # noqa: PLC0415
+
+        h = reference.bench_vector(x.shape[-1], bias)
+        top = type(x).__module__.split(".", 1)[0]
+        if top == "torch":
+            return sys.modules["torch"].from_numpy(h).to(device=x.device, dtype=x.dtype)
+        if top in ("jax", "jaxlib"):
+            return sys.modules["jax"].numpy.asarray(h).astype(x.dtype)
+        return sys.modules["cupy"].asarray(h).astype(x.dtype)
+
+    weights = per_input(vector_like)
+    biases = per_input(lambda x: vector_like(x, True))
+
     def _rms(torch, x):
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, 1e-6)
+
+    def _rms_w(torch):
+        return lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6)
+
+    def _ln_wb(torch):
+        return lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
 
     def _ln(torch, x):
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), None, None, 1e-5)
@@ -748,6 +773,15 @@ def _register():
          4, peers(_rms), "rms_norm over the last axis (no weight)"),
         ("layer_norm", lambda x, out=None: layer_norm(x, None, None, 1e-5, out=out), 1,
          lambda i: 2 * i, 6, peers(_ln), "layer_norm over the last axis (no weight)"),
+        # the weight (and bias) made once per input (reference.bench_vector), untimed; their
+        # reads are not counted in the bytes (one row's worth, cached after the first row)
+        ("rms_norm_w", lambda x, out=None: rms_norm(x, weights(x), 1e-6, out=out), 1,
+         lambda i: 2 * i, 5, prepared_peers(lambda torch, x: (weights(x),), _rms_w),
+         "rms_norm over the last axis with a weight (x's dtype)"),
+        ("layer_norm_wb", lambda x, out=None: layer_norm(x, weights(x), biases(x), 1e-5,
+                                                         out=out), 1,
+         lambda i: 2 * i, 8, prepared_peers(lambda torch, x: (weights(x), biases(x)), _ln_wb),
+         "layer_norm over the last axis with a weight and a bias (x's dtype)"),
         ("add_rms_norm", lambda x, r, out=None: add_rms_norm(x, r, None, 1e-6, out=out)[0], 2,
          lambda i: 4 * i, 5, peers(_add_rms, first=True), "h = x + r; y = rms_norm(h); x, r "
          "read, y, h written (by the peers too)"),
