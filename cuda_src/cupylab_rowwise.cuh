@@ -329,12 +329,16 @@ __device__ __forceinline__ void issue_stage(Vec<T, V>* stage, const RowArgs& p, 
 // block, in the prologue of the pipeline, beside the first rows: its loads overlap theirs
 // instead of following the row's reduction (row_reg with WST, at decoding shapes).
 //
-// Bytes of one staged array: its elements (T, or float32 with flags & 4) rounded up to 32, so
-// that every staged array starts where load_wslot_t's widest word (eight float32) may
+// Bytes of a weight element: T, or float32 with 16-bit T (flags & 4).
+template <typename T>
+__device__ __forceinline__ int weight_size(const RowArgs& p) {
+    return (p.flags & 4) ? 4 : (int)sizeof(T);
+}
+// Bytes of one staged array: its elements rounded up to 32, so that every staged array starts
+// where load_wslot_t's widest word (eight float32) may
 template <typename T>
 __device__ __forceinline__ int wstage_bytes(int cols, const RowArgs& p) {
-    const int ws = (p.flags & 4) ? 4 : (int)sizeof(T);
-    return (cols * ws + 31) & ~31;
+    return (cols * weight_size<T>(p) + 31) & ~31;
 }
 // Copy `bytes` bytes of global array w into shared memory at dst, the block's threads side by
 // side: whole 16-byte words by cp.async when w is 16-byte aligned, the rest (and everything of

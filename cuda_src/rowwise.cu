@@ -53,7 +53,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
     constexpr int STAGE = NIN * NV * THREADS;
     extern __shared__ __align__(32) unsigned char pipe_buf[];  // 32: the staged weights
     Vec<T, V>* stages = reinterpret_cast<Vec<T, V>*>(pipe_buf);
-    // WST (the forward norms' pipelined kernel, at decoding shapes: _rowcore.pipe_plan): the
+    // WST (the forward norms' pipelined kernel, at decoding shapes: _rowcore.stages_weights): the
     // weight (and bias) copied into shared memory after the stages, with the first stage's
     // group, so that their loads overlap the row's instead of following its reduction.
     // wsrc / bsrc: where the weight and bias are read from (generic addresses: global memory,
@@ -67,7 +67,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
         static_assert(PIPE && (OP == OP_RMS || OP == OP_ADD_RMS || OP == OP_LN),
                       "staged weights: the forward norms' pipelined kernel");
         unsigned char* sw = pipe_buf + PIPE_STAGES * STAGE * 16;
-        const int nbytes = cols * ((p.flags & 4) ? 4 : (int)sizeof(T));
+        const int nbytes = cols * weight_size<T>(p);
         if (p.w) {
             stage_array(sw, p.w, nbytes, THREADS);
             wsrc = reinterpret_cast<u64>(sw);

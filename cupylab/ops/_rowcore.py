@@ -613,6 +613,13 @@ def wstage_bytes(op, cols, wsize, narrays):
     return narrays * (-(-cols * wsize // 32) * 32)
 
 
+def staged_weight_bytes(op, cols, weight, bias):
+    """:func:`wstage_bytes` of a call's ``weight`` and ``bias`` (Views of one dtype, or None):
+    what the general and the lean path pass to :func:`plan_rows`."""
+    arrays = [a for a in (weight, bias) if a is not None]
+    return wstage_bytes(op, cols, arrays[0].dtype.itemsize, len(arrays)) if arrays else 0
+
+
 def stages_weights(op, cls, rows, sm_count, smem, wbytes, smem_optin):
     """Whether the pipelined kernel of a forward norm (``smem`` bytes of stages) takes the
     variant that stages the weights (``wbytes``, :func:`wstage_bytes`) in shared memory: at

@@ -168,11 +168,8 @@ def _plan(key, opname, objs, weight, flags, dev, bias=None):
     dt = x.dtype
     lay = rc.make_layout(opname, x.shape, views, -1)
     p = Plan()
-    wb = 0
-    if weight is not None or bias is not None:  # the forward norms stage them
-        wv = _arrays.as_view(weight if weight is not None else bias, opname)
-        wb = rc.wstage_bytes(op, lay.cols, wv.dtype.itemsize,
-                             (weight is not None) + (bias is not None))
+    wb = rc.staged_weight_bytes(op, lay.cols, *(None if a is None else _arrays.as_view(a, opname)
+                                                 for a in (weight, bias)))
     p.k, p.grid, p.block, p.smem, p.nparts = rc.plan_rows(op, dt, lay, dev, wb)
     p.tail = rc.pack_tail(lay, flags)
     p.ks = None

@@ -247,9 +247,7 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
                 "b": v["bias"].ptr if "bias" in v else 0,
                 "st0": mv.ptr if mv is not None else 0, "st1": sv.ptr if sv is not None else 0}
         with rc._launch.ensure_device(c.device):
-            wv = v["weight"] if "weight" in v else v.get("bias")  # the staged weights
-            wb = 0 if wv is None else rc.wstage_bytes(
-                rc.OP[opname], lay.cols, wv.dtype.itemsize, ("weight" in v) + ("bias" in v))
+            wb = rc.staged_weight_bytes(rc.OP[opname], lay.cols, v.get("weight"), v.get("bias"))
             rc.launch_rows(c, rc.OP[opname], xv.dtype, lay,
                            lambda parts: rc.pack(ptrs, lay, flags=flags, eps=eps), wbytes=wb)
     y = yobj if out is not None else rc.finish(c, yobj)
