@@ -74,7 +74,8 @@ FILES = {  # stored file -> what it holds
     "rowwise_ce_h100.json": "the same on an H100, the kernels of 2026-12-06 (ed7de5e)",
     "rowwise_ce_bwd.json": "cross-entropy's forward (loss and log-sum-exp) and its one-pass "
                            "backward beside torch eager and torch.compile (H100, fcf81fa)",
-    "rowwise_small_h100.json": "decoding shapes again on an H100, 2026-12-06 (c73fd19)",
+    "rowwise_small_h100.json": "decoding shapes again on an H100, with the weighted norms, "
+                               "2026-12-07 (0660001)",
     "groups_after.json": "row-wise ops at the row lengths the two-rows-a-block classes serve",
     "groups_before.json": "the same cases in the same session, before those classes (1913d9a)",
     "bwd16_after.json": "row-wise backwards with the 16-bit pipeline and one-vector classes",
@@ -145,6 +146,10 @@ FILES = {  # stored file -> what it holds
                          "column-sum launch and 16-byte partial stores, committed as 60adeef "
                          "(recorded f466c80+colsum), 2nd round (H100)",
     "colsum_before.json": "the same cases in the same round, before it (f466c80)",
+    "wstage_after.json": "16-bit forward norms with their weights staged in shared memory at "
+                         "decoding shapes (ef188c9), 1st round (H100)",
+    "wstage_before.json": "the same cases in the same round, the same tree with the staging "
+                          "off (ef188c9, stages_weights returning False)",
 }
 
 
