@@ -624,11 +624,10 @@ def stages_weights(op, cls, rows, sm_count, smem, wbytes, smem_optin):
     """Whether the pipelined kernel of a forward norm (``smem`` bytes of stages) takes the
     variant that stages the weights (``wbytes``, :func:`wstage_bytes`) in shared memory: at
     decoding shapes, while each SM gets at most one block's rows, where the weights' loads
-    overlap the row's. The first form of the change measured (H100, bfloat16, 16 and 128 rows
-    of 4,096 and 16 x 8,192) 1.04-1.08x for rms_norm with a weight, 1.07-1.10x for
-    layer_norm with both, 1.02-1.05x for add_rms_norm; beyond, where a block's later rows
-    find the weights in L1 anyway, 0.97-1.00x (docs/tuning.md, "Weights staged at decoding
-    shapes")."""
+    overlap the row's. Measured against the same tree with this returning False (H100,
+    bfloat16, 16 to 128 rows of 2,048 to 8,192): 1.06-1.09x for rms_norm with a weight,
+    1.11-1.27x for layer_norm with weight and bias; 1.00x at 1,024 x 4,096, where it stages
+    nothing (docs/tuning.md, "Weights staged at decoding shapes")."""
     return (bool(wbytes) and op in NORM_FWD_OPS and smem + wbytes <= smem_optin
             and -(-rows // (cls[0] // cls[1])) <= sm_count)
 

@@ -168,13 +168,13 @@ def _plan(key, opname, objs, weight, flags, dev, bias=None):
     dt = x.dtype
     lay = rc.make_layout(opname, x.shape, views, -1)
     p = Plan()
-    wb = rc.staged_weight_bytes(op, lay.cols, *(None if a is None else _arrays.as_view(a, opname)
-                                                 for a in (weight, bias)))
+    wv, bv = (None if a is None else _arrays.as_view(a, opname) for a in (weight, bias))
+    wb = rc.staged_weight_bytes(op, lay.cols, wv, bv)
     p.k, p.grid, p.block, p.smem, p.nparts = rc.plan_rows(op, dt, lay, dev, wb)
     p.tail = rc.pack_tail(lay, flags)
     p.ks = None
-    if weight is not None and op in rc.BWD_W:
-        p.ks = rc.col_sum_kernel(dt, _arrays.as_view(weight, opname).dtype)
+    if wv is not None and op in rc.BWD_W:
+        p.ks = rc.col_sum_kernel(dt, wv.dtype)
     p.lead = tuple(x.shape[:-1])
     if len(_plans) >= _PLAN_CACHE_MAX:
         _plans.clear()

@@ -247,8 +247,9 @@ def _norm(opname, x, residual, weight, bias, eps, return_stats, inplace, out, st
                 "b": v["bias"].ptr if "bias" in v else 0,
                 "st0": mv.ptr if mv is not None else 0, "st1": sv.ptr if sv is not None else 0}
         with rc._launch.ensure_device(c.device):
-            wb = rc.staged_weight_bytes(rc.OP[opname], lay.cols, v.get("weight"), v.get("bias"))
-            rc.launch_rows(c, rc.OP[opname], xv.dtype, lay,
+            op = rc.OP[opname]
+            wb = rc.staged_weight_bytes(op, lay.cols, v.get("weight"), v.get("bias"))
+            rc.launch_rows(c, op, xv.dtype, lay,
                            lambda parts: rc.pack(ptrs, lay, flags=flags, eps=eps), wbytes=wb)
     y = yobj if out is not None else rc.finish(c, yobj)
     res = [y]
