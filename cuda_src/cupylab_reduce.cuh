@@ -165,7 +165,11 @@ __device__ __forceinline__ R cluster_reduce(R v, Op op, int phase) {
 // later, after the next call's barrier, which every peer reaches only once it has read the
 // buffer. A block must therefore not exit while a peer may still read its last partial: a
 // cluster kernel ends with cluster_sync().
-template <int TPR, int C, int SLOT, int THREADS = TPR, typename R, typename Op>
+//
+// TAIL: the barrier after the block level, which lets the next call of the same site (the
+// next row) write the partials again. A kernel that gives each block one row (row_few_kernel)
+// leaves it out, and puts one barrier before a second row instead.
+template <int TPR, int C, int SLOT, int THREADS = TPR, bool TAIL = true, typename R, typename Op>
 __device__ __forceinline__ R group_reduce(R v, Op op, int phase) {
     static_assert(TPR <= 32 || THREADS % TPR == 0, "a block holds whole groups");
     static_assert(C == 1 || TPR == THREADS, "a cluster reduces one row a block");
@@ -181,7 +185,7 @@ __device__ __forceinline__ R group_reduce(R v, Op op, int phase) {
         v = mine[0];
 #pragma unroll
         for (int i = 1; i < NW; ++i) v = op(v, mine[i]);
-        __syncthreads();
+        if constexpr (TAIL) __syncthreads();
     }
     if constexpr (C > 1) v = cluster_reduce<C, SLOT>(v, op, phase);
     return v;

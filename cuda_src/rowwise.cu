@@ -25,7 +25,7 @@ namespace cl {
 
 // ---- register kernels ------------------------------------------------------------------
 template <typename T, int OP, int THREADS, int TPR, int NV, int C, bool PIPE = false,
-          bool SROW = false, bool WST = false>
+          bool SROW = false, bool WST = false, bool FEW = false>
 __device__ __forceinline__ void row_reg(const RowArgs& p) {
     typedef typename Acc<T>::type A;
     constexpr int V = 16 / sizeof(T);
@@ -148,6 +148,19 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 load_slot<T, V>(b[j], bal, s, s * V - head, cols, active, T());
             }
         }
+        // FEW (the forward norms): the weight and bias of this thread's columns loaded here,
+        // beside the row's loads, instead of after the reduction (held in registers: the
+        // kernel is compiled for one block an SM)
+        constexpr bool WPRE = FEW && (OP == OP_RMS || OP == OP_ADD_RMS || OP == OP_LN);
+        A wpre[WPRE ? NV : 1][WPRE ? V : 1], bpre[WPRE && OP == OP_LN ? NV : 1][WPRE ? V : 1];
+        if constexpr (WPRE) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int e0 = (sbase + j * TPR) * V - head;
+                load_wslot<T, V>(wpre[j], p, p.w, e0, cols, A(1));
+                if constexpr (OP == OP_LN) load_wslot<T, V>(bpre[j], p, p.b, e0, cols, -A(0));
+            }
+        }
         T* yal = row_ptr<T>(p.out0, p, 2, rr) - head;
         const bool stat_thread = active && lane == 0 && rank == 0;
 #define CL_FOR_ELEMS                                                        \
@@ -210,7 +223,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             // log1p(others), which keeps its digits for a confident row (the others' sum
             // ~1e-7 is lost when added to the target's 1 in float32). A loss can only be
             // that small when the target is the max.
-            m = group_reduce<TPR, 1, 0, THREADS>(m, MaxOp(), it);  // in a cluster, the block's
+            m = group_reduce<TPR, 1, 0, THREADS, !FEW>(m, MaxOp(), it);  // in a cluster, the block's
             const A mz = (m == neg_inf<A>()) ? A(0) : m;
             // cross-entropy keeps more values live (target, loss terms) than the softmaxes:
             // for 16-bit rows the unpacked halves kept from the first pass spilled (ptxas)
@@ -256,7 +269,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #undef CL_EXP_PASS
             MaxSum<A> ms;
             ms.m = m;
-            ms.s = group_reduce<TPR, 1, 1, THREADS>(s, SumOp(), it);
+            ms.s = group_reduce<TPR, 1, 1, THREADS, !FEW>(s, SumOp(), it);
             if constexpr (C > 1) ms = cluster_reduce<C, 1>(ms, MaxSumOp(), it);
             // the row maximum (across a cluster mz is the block's own), 0 for a row of -inf
             const A gz = (ms.m == neg_inf<A>()) ? A(0) : ms.m;
@@ -316,7 +329,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                         for (int k = 0; k < V; ++k)
                             if (CL_VALID(j, k)) sx += f[k] - ms.m;
                     }
-                    sx = group_reduce<TPR, C, 2, THREADS>(sx, SumOp(), it);
+                    sx = group_reduce<TPR, C, 2, THREADS, !FEW>(sx, SumOp(), it);
                 }
                 // not from the rounded lse: a confident row's loss (below half an ulp of max)
                 // would round to 0
@@ -415,7 +428,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                             s1 += ((unsigned)(e0 + k) < (unsigned)cols) ? f[k] - x0 : A(0);
                     }
                 }
-                mean = x0 + group_reduce<TPR, C, 0, THREADS>(s1, SumOp(), it) / (A)cols;
+                mean = x0 + group_reduce<TPR, C, 0, THREADS, !FEW>(s1, SumOp(), it) / (A)cols;
             }
             A s2 = A(0), sd = A(0);  // sums of d * d and (layer_norm) of d
 #pragma unroll
@@ -443,13 +456,13 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 Sum2<A> acc;
                 acc.a = sd;
                 acc.b = s2;
-                acc = group_reduce<TPR, C, 1, THREADS>(acc, SumOp(), it);
+                acc = group_reduce<TPR, C, 1, THREADS, !FEW>(acc, SumOp(), it);
                 const A dm = acc.a * n_inv;
                 mean += dm;
                 s2 = acc.b - acc.a * dm;  // sum of (x - mean)^2 about the new mean
                 if (s2 < A(0)) s2 = A(0);  // rounding; a NaN stays NaN
             } else {
-                s2 = group_reduce<TPR, C, 1, THREADS>(s2, SumOp(), it);
+                s2 = group_reduce<TPR, C, 1, THREADS, !FEW>(s2, SumOp(), it);
             }
             const A rstd = rsqrt_acc(s2 * n_inv + (A)p.eps);
             if (stat_thread) {
@@ -464,16 +477,26 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 A wv[V], f[V];
                 unpack<T, V>(a[j], f);
                 if constexpr (OP == OP_LN) {  // the rms norms have no bias
-                    load_wslot<T, V>(wv, p, WST ? wsrc : p.w, e0, cols, A(1));
                     A bv[V];  // no bias: -0, which adds nothing (a -0 result stays -0, as torch)
-                    load_wslot<T, V>(bv, p, WST ? bsrc : p.b, e0, cols, -A(0));
+                    if constexpr (WPRE) {
+#pragma unroll
+                        for (int k = 0; k < V; ++k) wv[k] = wpre[j][k], bv[k] = bpre[j][k];
+                    } else {
+                        load_wslot<T, V>(wv, p, WST ? wsrc : p.w, e0, cols, A(1));
+                        load_wslot<T, V>(bv, p, WST ? bsrc : p.b, e0, cols, -A(0));
+                    }
 #pragma unroll
                     for (int k = 0; k < V; ++k) f[k] = (f[k] - mean) * rstd * wv[k] + bv[k];
                 } else {
 #pragma unroll
                     for (int k = 0; k < V; ++k) f[k] *= rstd;
                     if (p.w) {  // no neutral fill and multiply by 1 without a weight
-                        load_wslot<T, V>(wv, p, WST ? wsrc : p.w, e0, cols, A(1));
+                        if constexpr (WPRE) {
+#pragma unroll
+                            for (int k = 0; k < V; ++k) wv[k] = wpre[j][k];
+                        } else {
+                            load_wslot<T, V>(wv, p, WST ? wsrc : p.w, e0, cols, A(1));
+                        }
 #pragma unroll
                         for (int k = 0; k < V; ++k) f[k] *= wv[k];
                     }
@@ -492,7 +515,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
                 for (int k = 0; k < V; ++k) d += (OP == OP_SOFTMAX_BWD ? f[k] : A(1)) * g[k];
             }
-            d = group_reduce<TPR, C, 0, THREADS>(d, SumOp(), it);
+            d = group_reduce<TPR, C, 0, THREADS, !FEW>(d, SumOp(), it);
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 A f[V], g[V];
@@ -526,7 +549,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     if constexpr (OP == OP_LN_BWD) dba[j * V + k] += g[k];
                 }
             }
-            acc = group_reduce<TPR, C, 0, THREADS>(acc, SumOp(), it);
+            acc = group_reduce<TPR, C, 0, THREADS, !FEW>(acc, SumOp(), it);
             const A c1 = OP == OP_LN_BWD ? acc.a * n_inv : A(0), c2 = acc.b * n_inv;
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
@@ -555,6 +578,11 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #undef CL_FOR_ELEMS
 #undef CL_E
 #undef CL_VALID
+        // FEW: the reductions keep no barrier after reading their partials; one here before a
+        // block's next row (the host gives each block one row: never taken there)
+        if constexpr (FEW) {
+            if ((unit + nunits) * RPB < p.rows) __syncthreads();
+        }
     }
     // the peers may still be reading this block's last partial (group_reduce)
     if constexpr (C > 1) cluster_sync();
@@ -602,6 +630,16 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 template <typename T, int OP, int THREADS, int TPR, int NV>
 __global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_kernel(const RowArgs p) {
     row_reg<T, OP, THREADS, TPR, NV, 1>(p);
+}
+
+// One row a block at decoding shapes (the host launches it while the rows fit one block an SM,
+// _rowcore.few_class): the row loaded straight into registers (no pipeline: a block has no next
+// row to prefetch), the norms' weights loaded beside it, and one barrier a reduction.
+// Compiled for one resident block an SM.
+template <typename T, int OP, int THREADS, int NV>
+__global__ void __launch_bounds__(THREADS, 1) row_few_kernel(const RowArgs p) {
+    static_assert(OP <= OP_ADD_RMS, "the forward softmaxes and norms");
+    row_reg<T, OP, THREADS, THREADS, NV, 1, false, false, false, true>(p);
 }
 
 // Persistent variant (blocks loop over rows): the next PIPE_STAGES - 1 rows of each input are

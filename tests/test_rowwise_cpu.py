@@ -212,6 +212,51 @@ def test_the_norms_stage_their_weights_at_decoding_shapes():
         rc.kernel_name(0, BF16, (128, 128, 4, 1), True, True)
 
 
+def test_few_rows_take_the_decoding_shape_kernel(monkeypatch):
+    from types import SimpleNamespace
+
+    def lay(rows, cols, head=0, vec_ok=True):
+        return SimpleNamespace(rows=rows, cols=cols, head=head, vec_ok=vec_ok)
+
+    monkeypatch.delenv("CUPYLAB_ROWWISE_FEW", raising=False)
+    for dt in (BF16, F16):
+        # 16-bit: rows of 1,025 to 8,192 elements (129 to 1,024 slots), two vectors a thread
+        assert rc.few_class(2, dt, lay(16, 1024), 132) is None  # 128 slots: the other classes
+        assert rc.few_class(2, dt, lay(16, 1025), 132) == (128, 128, 2, 1)
+        assert rc.few_class(2, dt, lay(16, 2048), 132) == (128, 128, 2, 1)
+        assert rc.few_class(2, dt, lay(16, 2048, head=1), 132) == (256, 256, 2, 1)
+        assert rc.few_class(2, dt, lay(16, 4096), 132) == (256, 256, 2, 1)
+        assert rc.few_class(2, dt, lay(16, 4089, head=None), 132) == (256, 256, 2, 1)
+        assert rc.few_class(2, dt, lay(16, 4090, head=None), 132) == (512, 512, 2, 1)
+        assert rc.few_class(2, dt, lay(16, 8192), 132) == (512, 512, 2, 1)
+        assert rc.few_class(2, dt, lay(16, 8193), 132) is None
+    assert rc.few_class(0, F32, lay(1, 513), 132) == (128, 128, 2, 1)
+    assert rc.few_class(0, F32, lay(1, 4096), 132) == (512, 512, 2, 1)
+    assert rc.few_class(0, F32, lay(1, 4097), 132) is None
+    # every forward softmax and norm; while each SM gets one row at most; 16-bit and float32
+    assert all(rc.few_class(op, BF16, lay(132, 4096), 132) for op in (0, 1, 2, 3, 4))
+    assert rc.few_class(2, BF16, lay(133, 4096), 132) is None
+    assert rc.few_class(5, BF16, lay(16, 4096), 132) is None  # cross-entropy
+    assert rc.few_class(10, BF16, lay(16, 4096), 132) is None  # a backward
+    assert rc.few_class(2, F64, lay(16, 4096), 132) is None
+    assert rc.few_class(2, BF16, lay(16, 4096, head=None, vec_ok=False), 132) is None
+    monkeypatch.setenv("CUPYLAB_ROWWISE_FEW", "0")
+    assert rc.few_class(2, BF16, lay(16, 4096), 132) is None
+    # compiled beside the others for the groups and dtypes that have them
+    for dt in (BF16, F16, F32):
+        for group, ops in (("softmax", (0, 1)), ("norm", (2, 3, 4))):
+            names = [n for n in rc.name_expressions(group, dt) if "row_few_kernel" in n]
+            assert len(names) == len(ops) * len(rc.FEW_LADDER)
+    assert not any("row_few_kernel" in n for g in rc.GROUPS for n in rc.name_expressions(g, F64))
+    assert not any("row_few_kernel" in n for n in rc.name_expressions("ce", BF16))
+    assert rc.kernel_name(3, BF16, (256, 256, 2, 1), few=True) == \
+        "cl::row_few_kernel<cl::bf16_t, 3, 256, 2>"
+    with pytest.raises(ValueError, match="no decoding-shape kernel"):
+        rc.kernel_name(5, BF16, (256, 256, 2, 1), few=True)
+    with pytest.raises(ValueError, match="no decoding-shape kernel"):
+        rc.kernel_name(2, BF16, (256, 256, 4, 1), few=True)
+
+
 def test_pipe_plan(monkeypatch):
     assert rc.pipe_plan(0, BF16, (256, 256, 4, 1), 8192, 132, 232448, 90) == (528, 49152)
     assert rc.pipe_plan(1, BF16, (128, 32, 4, 1), 32768, 132, 232448, 90) == (1056, 24576)

@@ -611,14 +611,83 @@ def test_rms_weight_alignment(rows, cols, dt, layout, wshift):
     check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, hw, 1e-6)[0], dt, 2, "add y")
 
 
+@pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("layout", ["contig", "offset"])
+@pytest.mark.parametrize("cols", [1025, 2048, 4096, 8191])
+def test_few_rows(cols, layout, dt):
+    """Decoding shapes: while each row gets a block and each SM one block at most, rows of more
+    than 128 16-byte slots take row_few_kernel (one row a block, weights loaded beside the
+    row, one barrier a reduction); one row more than SMs takes the other kernels. Every
+    forward softmax and norm, with weights (float32 weights for 16-bit rows too), the norms'
+    statistics and add_rms_norm in place; offset views start each row one element in."""
+    from cupylab import _arrays, _runtime  # noqa: PLC0415
+    from cupylab.ops import _rowcore as rc  # noqa: PLC0415
+
+    sms = _runtime.device_info(0).sm_count
+    sdt = "float32"
+    for rows in (1, sms, sms + 1):
+        rng = np.random.default_rng(rows + cols)
+        h, x = make(rng, "cupy", rows, cols, dt, layout)
+        if layout == "contig":
+            lay = rc.make_layout("rms_norm", (rows, cols), [_arrays.as_view(x), None, None, None],
+                                 -1)
+            v = 16 // np.dtype(np_dtype(dt)).itemsize
+            few = rows <= sms and 128 < -(-cols // v) <= 1024
+            assert (rc.few_class(2, rc.FLOATS[["float16", "bfloat16", "float32"].index(dt)],
+                                 lay, sms) is not None) == few
+        check(cupylab.softmax(x), R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")
+        check(cupylab.log_softmax(x), R.ROWWISE_REFERENCES["log_softmax"](h), dt,
+              what="log_softmax")
+        if layout == "offset":  # outputs with x's head: the vector kernels on rows one element in
+            o = place("cupy", np.zeros((rows, cols), np_dtype(dt)), layout)[1]
+            lay = rc.make_layout("softmax", (rows, cols),
+                                 [_arrays.as_view(x), None, _arrays.as_view(o), None], -1)
+            assert lay.vec_ok
+            check(cupylab.softmax(x, out=o), R.ROWWISE_REFERENCES["softmax"](h), dt,
+                  what="softmax, offset out")
+            w = (rng.standard_normal(cols) + 1).astype(np_dtype(dt))
+            b = rng.standard_normal(cols).astype(np_dtype(dt))
+            check(cupylab.layer_norm(x, cupy_from_host(w), cupy_from_host(b), out=o),
+                  R.ROWWISE_REFERENCES["layer_norm"](h, w, b, 1e-5)[0], dt, 2,
+                  "layer_norm, offset out")
+        for wdt in (dt, "float32") if dt != "float32" else (dt,):
+            w = (rng.standard_normal(cols) + 1).astype(np_dtype(wdt))
+            b = rng.standard_normal(cols).astype(np_dtype(wdt))
+            y, rstd = cupylab.rms_norm(x, cupy_from_host(w), eps=1e-6, return_stats=True)
+            ref, rref = R.ROWWISE_REFERENCES["rms_norm"](h, w, 1e-6)
+            check(y, ref, dt, 2, f"rms_norm {rows} rows, {wdt} weight")
+            check(rstd, rref, sdt, 2, "rms rstd")
+            check(cupylab.rms_norm(x), R.ROWWISE_REFERENCES["rms_norm"](h)[0], dt, 2, "rms_norm")
+            for ww, bb in ((w, b), (None, b), (w, None), (None, None)):
+                y, mean, rstd = cupylab.layer_norm(
+                    x, None if ww is None else cupy_from_host(ww),
+                    None if bb is None else cupy_from_host(bb), eps=1e-5, return_stats=True)
+                ref, mref, rref = R.ROWWISE_REFERENCES["layer_norm"](h, ww, bb, 1e-5)
+                check(y, ref, dt, 2, f"layer_norm {rows} rows, weight {ww is not None}, "
+                      f"bias {bb is not None}")
+                check(mean, mref, sdt, 10, "ln mean")
+                check(rstd, rref, sdt, 10, "ln rstd")
+            rh, r = make(rng, "cupy", rows, cols, dt, layout)
+            hsum = _added(h, rh, dt)
+            y, hh = cupylab.add_rms_norm(x, r, cupy_from_host(w), eps=1e-6)
+            check(hh, hsum, dt, 0.01, "add h")
+            check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, "add y")
+            y2, h2 = cupylab.add_rms_norm(x, r, cupy_from_host(w), eps=1e-6, inplace=True)
+            assert h2 is r
+            check(r, hsum, dt, 0.01, "inplace h")
+            check(y2, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, "inplace y")
+
+
 @pytest.mark.parametrize("dt", ["bfloat16", "float16"])
 @pytest.mark.parametrize("wdt", ["same", "float32"])
 @pytest.mark.parametrize("wshift", [0, 1, 8])
-@pytest.mark.parametrize("rows,cols", [(16, 4096), (5, 1001), (128, 33), (3, 8192), (900, 2048)])
+@pytest.mark.parametrize("rows,cols", [(16, 4096), (5, 1001), (128, 33), (3, 8192), (900, 2048),
+                                       (16, 16384)])
 def test_staged_weights(rows, cols, dt, wdt, wshift):
     """The 16-bit forward norms' pipelined kernel copies the weight and bias into shared
-    memory beside the first rows (where the grid keeps its size: the few rows here, and
-    900 x 2048): aligned arrays by 16-byte words, arrays 1 or 8 elements into an allocation
+    memory beside the first rows (where the grid keeps its size: the few rows here whose row
+    length row_few_kernel leaves to it, 5 x 1001, 128 x 33 and 16 x 16384, and 900 x 2048;
+    16 x 4096 and 3 x 8192 take row_few_kernel): aligned arrays by 16-byte words, arrays 1 or 8 elements into an allocation
     byte by byte, rows whose length leaves a partial last word, float32 weights; with a weight
     alone, a bias alone, and both."""
     rng = np.random.default_rng(cols + 7 * wshift + rows)

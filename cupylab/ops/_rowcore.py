@@ -124,6 +124,14 @@ PIPE16_FEW_OPS = (4,)
 #: (0.90-0.94x) (docs/tuning.md "16-bit layer_norm beyond a few rows an SM").
 LN16_PLAIN_OPS = (3,)
 LN16_PIPE_UNITS = 4
+#: The forward softmaxes and norms at decoding shapes: while every row gets a block of its own
+#: and each SM at most one (rows <= SMs), rows of more than 128 16-byte slots (16-bit: more
+#: than 1,024 elements) take row_few_kernel on the first class of :data:`FEW_LADDER` that
+#: holds them (one row a block, two vectors a thread): the row loaded straight into registers,
+#: the norms' weights beside it, one barrier a reduction (:func:`few_class`).
+FEW_OPS = (0, 1, 2, 3, 4)
+FEW_LADDER = ((128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1))
+FEW_MIN_SLOTS = 129
 TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
 PIPE_STAGES = 3  # PIPE_STAGES in cupylab_rowwise.cuh
 GROUPS = {"softmax": (0, 1), "norm": (2, 3, 4), "ce": (5,), "softmax_bwd": (10, 11),
@@ -198,13 +206,40 @@ def acc_dtype(dt):
     return F64 if dt.name == "float64" else F32
 
 
-def kernel_name(op, dt, cls, pipe=False, wst=False):
+def few_dtype(op, dt):
+    """Whether ``op`` on ``dt`` has the decoding-shape kernels (row_few_kernel)."""
+    return op in FEW_OPS and dt.itemsize in (2, 4)
+
+
+def few_class(op, dt, lay, sm_count):
+    """The :data:`FEW_LADDER` class for ``lay`` when row_few_kernel applies (see
+    :data:`FEW_OPS`; the ``CUPYLAB_ROWWISE_FEW=0`` switch turns it off), else None."""
+    if not few_dtype(op, dt) or not lay.vec_ok or lay.rows > sm_count:
+        return None
+    if os.environ.get("CUPYLAB_ROWWISE_FEW", "1") == "0":
+        return None
+    v = 16 // dt.itemsize
+    need = -(-(lay.cols + (v - 1 if lay.head is None else lay.head)) // v)
+    if need < FEW_MIN_SLOTS:
+        return None
+    for cls in FEW_LADDER:
+        if cls[0] * cls[2] >= need:
+            return cls
+    return None
+
+
+def kernel_name(op, dt, cls, pipe=False, wst=False, few=False):
     """The name expression of ``op``'s kernel for class ``cls`` (None: row_generic);
     ``pipe``: the pipelined kernel, ``wst``: its variant with staged weights (forward
-    norms)."""
+    norms), ``few``: the decoding-shape kernel (a :data:`FEW_LADDER` class)."""
     if cls is None:
         return f"cl::row_generic<{dt.ctype}, {op}>"
     th, tpr, nv, c = cls
+    if few:
+        if not few_dtype(op, dt) or cls not in FEW_LADDER:
+            raise ValueError(f"kernel_name: op {op} on {dt.name} has no decoding-shape kernel "
+                             f"of class {cls} (see few_dtype, FEW_LADDER)")
+        return f"cl::row_few_kernel<{dt.ctype}, {op}, {th}, {nv}>"
     if pipe:
         if not pipelined(op, dt, cls):
             raise ValueError(f"kernel_name: op {op} on {dt.name} has no pipelined kernel for "
@@ -229,6 +264,8 @@ def name_expressions(group, dt):
         names += [kernel_name(op, dt, cls) for cls in ladder(op, dt)] + [kernel_name(op, dt, None)]
         names += [kernel_name(op, dt, cls, True, w) for cls in ladder(op, dt)
                   if pipelined(op, dt, cls) for w in (False, True)[:1 + (op in NORM_FWD_OPS)]]
+        if few_dtype(op, dt):
+            names += [kernel_name(op, dt, cls, few=True) for cls in FEW_LADDER]
     a = acc_dtype(dt)
     if group == "ce":
         names += [f"cl::ce_aux<{a.ctype}>", f"cl::ce_backward<{dt.ctype}>"]
@@ -682,6 +719,10 @@ def plan_rows(op, dt, lay, device, wbytes=0):
     the dynamic shared memory of a cluster row held there (:func:`row_smem_bytes`).
     ``wbytes``: the forward norms' weights to stage (:func:`wstage_bytes`)."""
     info = _runtime.device_info(device)
+    few = few_class(op, dt, lay, info.sm_count)
+    if few is not None:
+        return (kernel(group_of(op), dt, kernel_name(op, dt, few, few=True)), max(1, lay.rows),
+                few[0], 0, 0)
     cls = choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
     block = GENERIC_THREADS if cls is None else cls[0]
     pp = pipe_plan(op, dt, cls, lay.rows, info.sm_count, info.max_smem_optin, info.cc)
