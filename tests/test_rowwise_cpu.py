@@ -220,39 +220,52 @@ def test_few_rows_take_the_decoding_shape_kernel(monkeypatch):
 
     monkeypatch.delenv("CUPYLAB_ROWWISE_FEW", raising=False)
     for dt in (BF16, F16):
-        # 16-bit: rows of 1,025 to 8,192 elements (129 to 1,024 slots), two vectors a thread
-        assert rc.few_class(2, dt, lay(16, 1024), 132) is None  # 128 slots: the other classes
-        assert rc.few_class(2, dt, lay(16, 1025), 132) == (128, 128, 2, 1)
-        assert rc.few_class(2, dt, lay(16, 2048), 132) == (128, 128, 2, 1)
-        assert rc.few_class(2, dt, lay(16, 2048, head=1), 132) == (256, 256, 2, 1)
-        assert rc.few_class(2, dt, lay(16, 4096), 132) == (256, 256, 2, 1)
-        assert rc.few_class(2, dt, lay(16, 4089, head=None), 132) == (256, 256, 2, 1)
-        assert rc.few_class(2, dt, lay(16, 4090, head=None), 132) == (512, 512, 2, 1)
-        assert rc.few_class(2, dt, lay(16, 8192), 132) == (512, 512, 2, 1)
-        assert rc.few_class(2, dt, lay(16, 8193), 132) is None
-    assert rc.few_class(0, F32, lay(1, 513), 132) == (128, 128, 2, 1)
-    assert rc.few_class(0, F32, lay(1, 4096), 132) == (512, 512, 2, 1)
-    assert rc.few_class(0, F32, lay(1, 4097), 132) is None
-    # every forward softmax and norm; while each SM gets one row at most; 16-bit and float32
-    assert all(rc.few_class(op, BF16, lay(132, 4096), 132) for op in (0, 1, 2, 3, 4))
-    assert rc.few_class(2, BF16, lay(133, 4096), 132) is None
+        # layer_norm: rows of 1,025 to 8,192 elements (129 to 1,024 slots), two vectors a thread
+        assert rc.few_class(3, dt, lay(16, 1024), 132) is None  # 128 slots: the other classes
+        assert rc.few_class(3, dt, lay(16, 1025), 132) == (128, 128, 2, 1)
+        assert rc.few_class(3, dt, lay(16, 2048), 132) == (128, 128, 2, 1)
+        assert rc.few_class(3, dt, lay(16, 2048, head=1), 132) == (256, 256, 2, 1)
+        assert rc.few_class(3, dt, lay(16, 4096), 132) == (256, 256, 2, 1)
+        assert rc.few_class(3, dt, lay(16, 4089, head=None), 132) == (256, 256, 2, 1)
+        assert rc.few_class(3, dt, lay(16, 4090, head=None), 132) == (512, 512, 2, 1)
+        assert rc.few_class(3, dt, lay(132, 8192), 132) == (512, 512, 2, 1)
+        assert rc.few_class(3, dt, lay(133, 8192), 132) is None  # more rows than SMs
+        assert rc.few_class(3, dt, lay(16, 8193), 132) is None
+        # rms_norm with a weight as layer_norm; without, as the softmaxes and add_rms_norm:
+        # at most half the SMs, classes of up to 256 threads
+        assert rc.few_class(2, dt, lay(132, 8192), 132, weighted=True) == (512, 512, 2, 1)
+        for op in (0, 1, 2, 4):
+            assert rc.few_class(op, dt, lay(66, 4096), 132) == (256, 256, 2, 1)
+            assert rc.few_class(op, dt, lay(67, 4096), 132) is None
+            assert rc.few_class(op, dt, lay(16, 4097), 132) is None  # a 512-thread class
+        assert rc.few_class(4, dt, lay(67, 4096), 132, weighted=True) is None
+    # float32: layer_norm and rms_norm with a weight only
+    assert rc.few_class(3, F32, lay(1, 513), 132) == (128, 128, 2, 1)
+    assert rc.few_class(3, F32, lay(132, 4096), 132) == (512, 512, 2, 1)
+    assert rc.few_class(3, F32, lay(1, 4097), 132) is None
+    assert rc.few_class(2, F32, lay(16, 4096), 132, weighted=True) == (512, 512, 2, 1)
+    for op in (0, 1, 4):
+        assert rc.few_class(op, F32, lay(16, 2048), 132, weighted=True) is None
+    assert rc.few_class(2, F32, lay(16, 2048), 132) is None
     assert rc.few_class(5, BF16, lay(16, 4096), 132) is None  # cross-entropy
     assert rc.few_class(10, BF16, lay(16, 4096), 132) is None  # a backward
-    assert rc.few_class(2, F64, lay(16, 4096), 132) is None
-    assert rc.few_class(2, BF16, lay(16, 4096, head=None, vec_ok=False), 132) is None
+    assert rc.few_class(3, F64, lay(16, 4096), 132) is None
+    assert rc.few_class(3, BF16, lay(16, 4096, head=None, vec_ok=False), 132) is None
     monkeypatch.setenv("CUPYLAB_ROWWISE_FEW", "0")
-    assert rc.few_class(2, BF16, lay(16, 4096), 132) is None
-    # compiled beside the others for the groups and dtypes that have them
-    for dt in (BF16, F16, F32):
+    assert rc.few_class(3, BF16, lay(16, 4096), 132) is None
+    # compiled beside the others for the ops and dtypes that have them
+    for dt, per in ((BF16, (0, 1, 2, 3, 4)), (F16, (0, 1, 2, 3, 4)), (F32, (2, 3))):
         for group, ops in (("softmax", (0, 1)), ("norm", (2, 3, 4))):
             names = [n for n in rc.name_expressions(group, dt) if "row_few_kernel" in n]
-            assert len(names) == len(ops) * len(rc.FEW_LADDER)
+            assert len(names) == len(set(ops) & set(per)) * len(rc.FEW_LADDER)
     assert not any("row_few_kernel" in n for g in rc.GROUPS for n in rc.name_expressions(g, F64))
     assert not any("row_few_kernel" in n for n in rc.name_expressions("ce", BF16))
     assert rc.kernel_name(3, BF16, (256, 256, 2, 1), few=True) == \
         "cl::row_few_kernel<cl::bf16_t, 3, 256, 2>"
     with pytest.raises(ValueError, match="no decoding-shape kernel"):
         rc.kernel_name(5, BF16, (256, 256, 2, 1), few=True)
+    with pytest.raises(ValueError, match="no decoding-shape kernel"):
+        rc.kernel_name(0, F32, (256, 256, 2, 1), few=True)
     with pytest.raises(ValueError, match="no decoding-shape kernel"):
         rc.kernel_name(2, BF16, (256, 256, 4, 1), few=True)
 
@@ -341,8 +354,8 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    # 744, and row_few_kernel's: 5 ops x 3 classes x 3 dtypes
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 744 + 5 * 3 * 3
+    # 744, and row_few_kernel's: 3 classes of 5 ops x 2 16-bit dtypes and of 2 ops on float32
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 744 + 3 * (5 * 2 + 2)
 
 
 def test_errors_need_no_gpu():

@@ -615,9 +615,11 @@ def test_rms_weight_alignment(rows, cols, dt, layout, wshift):
 @pytest.mark.parametrize("layout", ["contig", "offset"])
 @pytest.mark.parametrize("cols", [1025, 2048, 4096, 8191])
 def test_few_rows(cols, layout, dt):
-    """Decoding shapes: while each row gets a block and each SM one block at most, rows of more
-    than 128 16-byte slots take row_few_kernel (one row a block, weights loaded beside the
-    row, one barrier a reduction); one row more than SMs takes the other kernels. Every
+    """Decoding shapes: while each row gets a block and each SM one block at most, rows of 129
+    to 1,024 16-byte slots take row_few_kernel (one row a block, weights loaded beside the
+    row, one barrier a reduction): layer_norm and rms_norm with a weight at every such row
+    count, the other ops on 16-bit rows of one row here (_rowcore.few_class); one row more
+    than SMs takes the other kernels. Every
     forward softmax and norm, with weights (float32 weights for 16-bit rows too), the norms'
     statistics and add_rms_norm in place; offset views start each row one element in."""
     from cupylab import _arrays, _runtime  # noqa: PLC0415
@@ -632,9 +634,11 @@ def test_few_rows(cols, layout, dt):
             lay = rc.make_layout("rms_norm", (rows, cols), [_arrays.as_view(x), None, None, None],
                                  -1)
             v = 16 // np.dtype(np_dtype(dt)).itemsize
-            few = rows <= sms and 128 < -(-cols // v) <= 1024
-            assert (rc.few_class(2, rc.FLOATS[["float16", "bfloat16", "float32"].index(dt)],
-                                 lay, sms) is not None) == few
+            need = -(-(cols + (v - 1 if lay.head is None else lay.head)) // v)
+            few = rows <= sms and 128 < need <= 1024
+            cdt = rc.FLOATS[["float16", "bfloat16", "float32"].index(dt)]
+            assert (rc.few_class(3, cdt, lay, sms) is not None) == few
+            assert (rc.few_class(2, cdt, lay, sms, weighted=True) is not None) == few
         check(cupylab.softmax(x), R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")
         check(cupylab.log_softmax(x), R.ROWWISE_REFERENCES["log_softmax"](h), dt,
               what="log_softmax")

@@ -124,12 +124,21 @@ PIPE16_FEW_OPS = (4,)
 #: (0.90-0.94x) (docs/tuning.md "16-bit layer_norm beyond a few rows an SM").
 LN16_PLAIN_OPS = (3,)
 LN16_PIPE_UNITS = 4
-#: The forward softmaxes and norms at decoding shapes: while every row gets a block of its own
-#: and each SM at most one (rows <= SMs), rows of more than 128 16-byte slots (16-bit: more
-#: than 1,024 elements) take row_few_kernel on the first class of :data:`FEW_LADDER` that
-#: holds them (one row a block, two vectors a thread): the row loaded straight into registers,
-#: the norms' weights beside it, one barrier a reduction (:func:`few_class`).
+#: The forward softmaxes and norms at decoding shapes (row_few_kernel, :func:`few_class`): while
+#: every row gets a block of its own and each SM one block at most, rows of 129 to 1,024
+#: 16-byte slots (16-bit: 1,025 to 8,192 elements; float32 513 to 4,096) on the first class
+#: of :data:`FEW_LADDER` that holds them (one row a block, two vectors a thread): the row
+#: loaded straight into registers, the norms' weights beside it, one barrier a reduction.
+#: Against the pipelined and plain kernels (H100, two rounds, 16 to 132 rows of 2,048 to
+#: 8,192; docs/tuning.md "One row a block at decoding shapes"): layer_norm 1.06-1.28x
+#: (bfloat16) and 0.99-1.10x (float32), rms_norm with a weight 1.04-1.13x and 1.00-1.38x,
+#: layer_norm with weight and bias 1.10-1.38x and 1.01-1.52x: those take it at every row
+#: count (:data:`FEW_WEIGHTED_OPS`). The softmaxes and the weightless rms_norm and
+#: add_rms_norm gained 1.00-1.12x on 16-bit rows while the grid filled at most half the SMs
+#: on classes of up to 256 threads (rows up to 4,096 elements), and lost 0.88-0.99x beyond
+#: (128 and 132 rows, 8,192 elements) and on float32 rows: they take it there only.
 FEW_OPS = (0, 1, 2, 3, 4)
+FEW_WEIGHTED_OPS = (2, 3)  # with a weight (layer_norm with or without): every row count
 FEW_LADDER = ((128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1))
 FEW_MIN_SLOTS = 129
 TWO_IN = (4, 10, 11, 12, 13)  # ops with two row operands (TWO_IN in rowwise.cu)
@@ -207,13 +216,17 @@ def acc_dtype(dt):
 
 
 def few_dtype(op, dt):
-    """Whether ``op`` on ``dt`` has the decoding-shape kernels (row_few_kernel)."""
-    return op in FEW_OPS and dt.itemsize in (2, 4)
+    """Whether ``op`` on ``dt`` has the decoding-shape kernels (row_few_kernel): every
+    :data:`FEW_OPS` op on 16-bit rows, the :data:`FEW_WEIGHTED_OPS` on float32 rows."""
+    return op in (FEW_OPS if dt.itemsize == 2 else FEW_WEIGHTED_OPS if dt.itemsize == 4 else ())
 
 
-def few_class(op, dt, lay, sm_count):
-    """The :data:`FEW_LADDER` class for ``lay`` when row_few_kernel applies (see
-    :data:`FEW_OPS`; the ``CUPYLAB_ROWWISE_FEW=0`` switch turns it off), else None."""
+def few_class(op, dt, lay, sm_count, weighted=False):
+    """The :data:`FEW_LADDER` class for ``lay`` when row_few_kernel applies, else None:
+    ``rows <= sm_count``, rows of 129 to 1,024 16-byte slots, and either layer_norm, or
+    rms_norm given a weight (``weighted``), or a 16-bit row on a grid of at most half the SMs
+    and a class of at most 256 threads (see :data:`FEW_OPS`). The ``CUPYLAB_ROWWISE_FEW=0``
+    switch turns it off."""
     if not few_dtype(op, dt) or not lay.vec_ok or lay.rows > sm_count:
         return None
     if os.environ.get("CUPYLAB_ROWWISE_FEW", "1") == "0":
@@ -222,9 +235,13 @@ def few_class(op, dt, lay, sm_count):
     need = -(-(lay.cols + (v - 1 if lay.head is None else lay.head)) // v)
     if need < FEW_MIN_SLOTS:
         return None
-    for cls in FEW_LADDER:
-        if cls[0] * cls[2] >= need:
-            return cls
+    cls = next((c for c in FEW_LADDER if c[0] * c[2] >= need), None)
+    if cls is None:
+        return None
+    if op == 3 or (op == 2 and weighted):
+        return cls
+    if dt.itemsize == 2 and 2 * lay.rows <= sm_count and cls[0] <= 256:
+        return cls
     return None
 
 
@@ -719,7 +736,7 @@ def plan_rows(op, dt, lay, device, wbytes=0):
     the dynamic shared memory of a cluster row held there (:func:`row_smem_bytes`).
     ``wbytes``: the forward norms' weights to stage (:func:`wstage_bytes`)."""
     info = _runtime.device_info(device)
-    few = few_class(op, dt, lay, info.sm_count)
+    few = few_class(op, dt, lay, info.sm_count, bool(wbytes))
     if few is not None:
         return (kernel(group_of(op), dt, kernel_name(op, dt, few, few=True)), max(1, lay.rows),
                 few[0], 0, 0)
