@@ -150,6 +150,10 @@ FILES = {  # stored file -> what it holds
                          "decoding shapes (ef188c9), 1st round (H100)",
     "wstage_before.json": "the same cases in the same round, the same tree with the staging "
                           "off (ef188c9, stages_weights returning False)",
+    "onerow_all_after.json": "row_few_kernel at every decoding shape it holds (branch commit "
+                             "0017055, recorded f2cff3b+dirty), 2nd round (H100)",
+    "onerow_all_before.json": "the same cases in the same round, the same tree with "
+                              "CUPYLAB_ROWWISE_FEW=0",
 }
 
 
