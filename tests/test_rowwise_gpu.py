@@ -154,11 +154,16 @@ def test_norms_forward(rows, cols, dt, wdt):
     hsum = _added(h, rh, dt)
     if w is None:
         w = np.ones(cols, dtype=np_dtype(dt))
-    r = cupy_from_host(rh)
-    y, hh = cupylab.add_rms_norm(x, r, dev(w), eps=1e-6)
+    _check_add_rms_norm(x, cupy_from_host(rh), w, hsum, dt)
+
+
+def _check_add_rms_norm(x, r, w, hsum, dt):
+    """add_rms_norm of device x and r with host weight w against the host sum hsum (x + r
+    rounded to dt): out of place, then in place (h written into r)."""
+    y, hh = cupylab.add_rms_norm(x, r, cupy_from_host(w), eps=1e-6)
     check(hh, hsum, dt, 0.01, "add h")
     check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, "add y")
-    y2, h2 = cupylab.add_rms_norm(x, r, dev(w), eps=1e-6, inplace=True)
+    y2, h2 = cupylab.add_rms_norm(x, r, cupy_from_host(w), eps=1e-6, inplace=True)
     assert h2 is r
     check(r, hsum, dt, 0.01, "inplace h")
     check(y2, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, "inplace y")
@@ -672,14 +677,7 @@ def test_few_rows(cols, layout, dt):
                 check(mean, mref, sdt, 10, "ln mean")
                 check(rstd, rref, sdt, 10, "ln rstd")
             rh, r = make(rng, "cupy", rows, cols, dt, layout)
-            hsum = _added(h, rh, dt)
-            y, hh = cupylab.add_rms_norm(x, r, cupy_from_host(w), eps=1e-6)
-            check(hh, hsum, dt, 0.01, "add h")
-            check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, "add y")
-            y2, h2 = cupylab.add_rms_norm(x, r, cupy_from_host(w), eps=1e-6, inplace=True)
-            assert h2 is r
-            check(r, hsum, dt, 0.01, "inplace h")
-            check(y2, R.ROWWISE_REFERENCES["rms_norm"](hsum, w, 1e-6)[0], dt, 2, "inplace y")
+            _check_add_rms_norm(x, r, w, _added(h, rh, dt), dt)
 
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float16"])
