@@ -12,6 +12,9 @@ from cupylab.ops import _rowcore as rc
 from conftest import FakeCAI, compile_every
 
 BF16, F16, F32, F64 = (_dtypes.from_name(n) for n in ("bfloat16", "float16", "float32", "float64"))
+#: the family's kernel instances: 744, and row_few_kernel's (3 classes of 5 ops on the two
+#: 16-bit dtypes and of 2 ops on float32)
+N_INSTANCES = 744 + 3 * (5 * 2 + 2)
 
 
 def test_public_names_exported():
@@ -354,8 +357,7 @@ def test_name_expressions_cover_ladders():
     assert "cl::col_sum<float, float>" in names and "cl::col_sum<float, cl::bf16_t>" in names
     assert "cl::row_generic<cl::bf16_t, 13>" in names
     assert "cl::ce_aux<double>" in rc.name_expressions("ce", F64)
-    # 744, and row_few_kernel's: 3 classes of 5 ops x 2 16-bit dtypes and of 2 ops on float32
-    assert sum(len(p.name_expressions) for p in rc.all_programs()) == 744 + 3 * (5 * 2 + 2)
+    assert sum(len(p.name_expressions) for p in rc.all_programs()) == N_INSTANCES
 
 
 def test_errors_need_no_gpu():
@@ -561,7 +563,7 @@ def test_references():
 def test_every_rowwise_instance_compiles(cc, monkeypatch):
     monkeypatch.setenv("CUPYLAB_CACHE_DISABLE", "1")
     n = compile_every(rc.all_programs(), cc)
-    assert n == 744
+    assert n == N_INSTANCES
 
 
 def test_bench_sizes_mean_rows_of_4096_for_rowwise_ops():
