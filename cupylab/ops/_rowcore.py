@@ -136,7 +136,8 @@ LN16_PIPE_UNITS = 4
 #: count (:data:`FEW_WEIGHTED_OPS`). The softmaxes and the weightless rms_norm and
 #: add_rms_norm gained 1.00-1.12x on 16-bit rows while the grid filled at most half the SMs
 #: on classes of up to 256 threads (rows up to 4,096 elements), and lost 0.88-0.99x beyond
-#: (128 and 132 rows, 8,192 elements) and on float32 rows: they take it there only.
+#: (128 and 132 rows, 8,192 elements) and on float32 rows: they take it there only
+#: (add_rms_norm with a weight too: it was not measured apart).
 FEW_OPS = (0, 1, 2, 3, 4)
 FEW_WEIGHTED_OPS = (2, 3)  # with a weight (layer_norm with or without): every row count
 FEW_LADDER = ((128, 128, 2, 1), (256, 256, 2, 1), (512, 512, 2, 1))
