@@ -131,9 +131,9 @@ LN16_PIPE_UNITS = 4
 #: loaded straight into registers, the norms' weights beside it, one barrier a reduction.
 #: Against the pipelined and plain kernels (H100, two rounds, 16 to 132 rows of 2,048 to
 #: 8,192; docs/tuning.md "One row a block at decoding shapes"): layer_norm 1.06-1.28x
-#: (bfloat16) and 0.99-1.10x (float32), rms_norm with a weight 1.04-1.13x and 1.00-1.38x,
-#: layer_norm with weight and bias 1.10-1.38x and 1.01-1.52x: those take it at every row
-#: count (:data:`FEW_WEIGHTED_OPS`). The softmaxes and the weightless rms_norm and
+#: (bfloat16) and 1.00-1.10x (float32), rms_norm with a weight 1.02-1.13x (one 0.97x) and
+#: 1.20-1.38x, layer_norm with weight and bias 1.10-1.38x and 1.23-1.52x: those take it at
+#: every row count (:data:`FEW_WEIGHTED_OPS`). The softmaxes and the weightless rms_norm and
 #: add_rms_norm gained 1.00-1.12x on 16-bit rows while the grid filled at most half the SMs
 #: on classes of up to 256 threads (rows up to 4,096 elements), and lost 0.88-0.99x beyond
 #: (128 and 132 rows, 8,192 elements) and on float32 rows: they take it there only
@@ -239,7 +239,7 @@ def few_class(op, dt, lay, sm_count, weighted=False):
     cls = next((c for c in FEW_LADDER if c[0] * c[2] >= need), None)
     if cls is None:
         return None
-    if op == 3 or (op == 2 and weighted):
+    if op in FEW_WEIGHTED_OPS and (weighted or op == 3):
         return cls
     if dt.itemsize == 2 and 2 * lay.rows <= sm_count and cls[0] <= 256:
         return cls
