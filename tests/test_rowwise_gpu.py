@@ -622,11 +622,11 @@ def test_rms_weight_alignment(rows, cols, dt, layout, wshift):
 def test_few_rows(cols, layout, dt):
     """Decoding shapes: while each row gets a block and each SM one block at most, rows of 129
     to 1,024 16-byte slots take row_few_kernel (one row a block, weights loaded beside the
-    row, one barrier a reduction): layer_norm and rms_norm with a weight at every such row
-    count, the other ops on 16-bit rows of one row here (_rowcore.few_class); one row more
-    than SMs takes the other kernels. Every
-    forward softmax and norm, with weights (float32 weights for 16-bit rows too), the norms'
-    statistics and add_rms_norm in place; offset views start each row one element in."""
+    row, one barrier a reduction): layer_norm and rms_norm with a weight at 1 row and at as
+    many rows as SMs, the other ops on 16-bit rows at 1 row only (_rowcore.few_class); one
+    row more than SMs takes the other kernels. Every forward softmax and norm, with weights
+    (float32 weights for 16-bit rows too), the norms' statistics and add_rms_norm in place;
+    offset views start each row one element in."""
     from cupylab import _arrays, _runtime  # noqa: PLC0415
     from cupylab.ops import _rowcore as rc  # noqa: PLC0415
 
