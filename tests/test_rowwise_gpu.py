@@ -638,10 +638,8 @@ def test_few_rows(cols, layout, dt):
         if layout == "contig":
             lay = rc.make_layout("rms_norm", (rows, cols), [_arrays.as_view(x), None, None, None],
                                  -1)
-            v = 16 // np.dtype(np_dtype(dt)).itemsize
-            need = -(-(cols + (v - 1 if lay.head is None else lay.head)) // v)
-            few = rows <= sms and 128 < need <= 1024
             cdt = rc.FLOATS[["float16", "bfloat16", "float32"].index(dt)]
+            few = rows <= sms and 128 < rc.row_slots(cdt, cols, lay.head) <= 1024
             assert (rc.few_class(3, cdt, lay, sms) is not None) == few
             assert (rc.few_class(2, cdt, lay, sms, weighted=True) is not None) == few
         check(cupylab.softmax(x), R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")

@@ -232,8 +232,7 @@ def few_class(op, dt, lay, sm_count, weighted=False):
         return None
     if os.environ.get("CUPYLAB_ROWWISE_FEW", "1") == "0":
         return None
-    v = 16 // dt.itemsize
-    need = -(-(lay.cols + (v - 1 if lay.head is None else lay.head)) // v)
+    need = row_slots(dt, lay.cols, lay.head)
     if need < FEW_MIN_SLOTS:
         return None
     cls = next((c for c in FEW_LADDER if c[0] * c[2] >= need), None)
@@ -321,6 +320,14 @@ def kernel(group, dt, name, fmts=(ARGS_FMT,)):
 
 # --------------------------------------------------------------------------------------------
 # kernel choice (pure: tested on the CPU)
+def row_slots(dt, cols, head):
+    """The 16-byte slots a row of ``cols`` elements of ``dt`` spans from its aligned base:
+    with ``head`` elements before its first 16-byte boundary, or room for the worst case
+    when ``head`` is None (rows whose heads differ)."""
+    v = 16 // dt.itemsize
+    return -(-(cols + (v - 1 if head is None else head)) // v)
+
+
 def choose(op, dt, cols, vec_ok, head, cc):
     """The register class for a row of ``cols`` elements, or ``None`` for the generic kernel.
 
@@ -331,8 +338,7 @@ def choose(op, dt, cols, vec_ok, head, cc):
         return None
     if op in BWD_W and head is None:
         return None  # the per-column weight-gradient sums need a fixed column per register
-    v = 16 // dt.itemsize
-    need = -(-(cols + (v - 1 if head is None else head)) // v)
+    need = row_slots(dt, cols, head)
     for cls in ladder(op, dt):
         th, tpr, nv, c = cls
         if c > 1 and cc < 90:

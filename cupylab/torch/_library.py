@@ -9,10 +9,11 @@ outputs' shapes, dtypes and strides, and, for the forward operators, the backwar
 :mod:`cupylab.torch._autograd` with the backward operators registered here, so that the traced
 backward is itself made of registered operators. The operators that mutate nothing are defined
 through ``torch.library.Library`` (``define``, an ``impl`` for every device, ``register_fake``,
-and the autograd kernel ``register_autograd`` would register, with a direct path in front of it
-for calls that record no graph: :func:`_register_autograd`): a call costs less host time than
-through ``torch.library.custom_op``, whose Python layer runs on every call (a trivial
-operator, torch 2.13 on a CPU: 12.3 against 15.4 µs, 4.3 µs called directly). The one that mutates its argument, ``add_rms_norm_``, stays a
+and the autograd kernel ``register_autograd`` would register, with a direct path in front of
+it for calls that record no graph: :func:`_register_autograd`): a call costs less host time
+than through ``torch.library.custom_op``, whose Python layer runs on every call (a trivial
+operator, torch 2.13 on a CPU: 12.3 against 15.4 µs, 4.3 µs called directly). The one that
+mutates its argument, ``add_rms_norm_``, stays a
 ``custom_op``, which also bumps the mutated tensor's version counter and functionalizes it
 under torch.compile.
 
