@@ -75,7 +75,7 @@ FILES = {  # stored file -> what it holds
     "rowwise_ce_bwd.json": "cross-entropy's forward (loss and log-sum-exp) and its one-pass "
                            "backward beside torch eager and torch.compile (H100, fcf81fa)",
     "rowwise_small_h100.json": "decoding shapes again on an H100, with the weighted norms, "
-                               "2026-12-07 (0660001)",
+                               "2026-12-07 (5ec18a4: row_few_kernel)",
     "groups_after.json": "row-wise ops at the row lengths the two-rows-a-block classes serve",
     "groups_before.json": "the same cases in the same session, before those classes (1913d9a)",
     "bwd16_after.json": "row-wise backwards with the 16-bit pipeline and one-vector classes",
@@ -154,6 +154,10 @@ FILES = {  # stored file -> what it holds
                              "0017055, recorded f2cff3b+dirty), 2nd round (H100)",
     "onerow_all_before.json": "the same cases in the same round, the same tree with "
                               "CUPYLAB_ROWWISE_FEW=0",
+    "onerow_after.json": "row_few_kernel where it is taken (main 5ec18a4, installed), 2nd "
+                         "round (H100)",
+    "onerow_before.json": "the same cases in the same round, the same install with "
+                          "CUPYLAB_ROWWISE_FEW=0",
 }
 
 
