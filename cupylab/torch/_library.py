@@ -13,9 +13,8 @@ and the autograd kernel ``register_autograd`` would register, with a direct path
 it for calls that record no graph: :func:`_register_autograd`): a call costs less host time
 than through ``torch.library.custom_op``, whose Python layer runs on every call (a trivial
 operator, torch 2.13 on a CPU: 12.3 against 15.4 µs, 4.3 µs called directly). The one that
-mutates its argument, ``add_rms_norm_``, stays a
-``custom_op``, which also bumps the mutated tensor's version counter and functionalizes it
-under torch.compile.
+mutates its argument, ``add_rms_norm_``, stays a ``custom_op``, which also bumps the mutated
+tensor's version counter and functionalizes it under torch.compile.
 
 Operators (all over the last axis unless stated; every output a new C-contiguous tensor, except
 where noted):
