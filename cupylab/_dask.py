@@ -140,7 +140,7 @@ def _require_gpu(what, a):
 
 def _vectors(name, kwargs):
     """The weight and bias among ``kwargs`` (GPU arrays, or None: left out) as views, for
-    :func:`cupylab.ops._rowcore.check_vectors`."""
+    :func:`cupylab.ops._rowargs.check_vectors`."""
     return {k: view(name, k, kwargs[k], dask_ok=False)
             for k in ("weight", "bias") if kwargs.get(k) is not None}
 
