@@ -21,9 +21,10 @@ struct RowArgs {
     double eps, smooth;
 };
 
-template <typename P>
+// ONE: the host guarantees one level (n1 >= rows): no test either (row_few_kernel's exact fit)
+template <typename P, bool ONE = false>
 __device__ __forceinline__ P* row_ptr(u64 base, const RowArgs& p, int k, i64 row) {
-    if (p.n1 >= p.rows) return reinterpret_cast<P*>(base) + row * p.si[k];  // one level: no division
+    if (ONE || p.n1 >= p.rows) return reinterpret_cast<P*>(base) + row * p.si[k];  // one level: no division
     i64 ro = row / p.n1, ri = row - ro * p.n1;
     return reinterpret_cast<P*>(base) + ro * p.so[k] + ri * p.si[k];
 }
@@ -177,10 +178,11 @@ __device__ __forceinline__ T fill_value() {
     return (OP == OP_SOFTMAX || OP == OP_LOG_SOFTMAX || OP == OP_CE) ? neg_inf_t<T>() : T();
 }
 
-template <typename T, int V>
+// FULL: the host guarantees a whole slot of an active row (row_few_kernel's exact fit): no test
+template <typename T, int V, bool FULL = false>
 __device__ __forceinline__ void load_slot(Vec<T, V>& v, const T* al, int s, int e0, int cols,
                                           bool active, T fill) {
-    if (active && e0 >= 0 && e0 + V <= cols) {
+    if (FULL || (active && e0 >= 0 && e0 + V <= cols)) {
         v = *reinterpret_cast<const Vec<T, V>*>(al + s * V);
     } else {
 #pragma unroll
@@ -189,11 +191,11 @@ __device__ __forceinline__ void load_slot(Vec<T, V>& v, const T* al, int s, int 
     }
 }
 
-template <typename T, int V>
+template <typename T, int V, bool FULL = false>
 __device__ __forceinline__ void store_slot(T* al, const Vec<T, V>& v, int s, int e0, int cols,
                                            bool active) {
     if (!active) return;
-    if (e0 >= 0 && e0 + V <= cols) {
+    if (FULL || (e0 >= 0 && e0 + V <= cols)) {
         *reinterpret_cast<Vec<T, V>*>(al + s * V) = v;
     } else {
 #pragma unroll
@@ -203,31 +205,33 @@ __device__ __forceinline__ void store_slot(T* al, const Vec<T, V>& v, int s, int
 }
 
 // V weights for columns e0 .. e0+V-1 (dflt where there is no weight or outside the row).
-template <typename W, int V, typename A>
+// FULL: the columns are inside the row (row_few_kernel's exact fit); the weight's own alignment
+// is still tested (a weight may start anywhere).
+template <typename W, int V, typename A, bool FULL = false>
 __device__ __forceinline__ void load_wslot_t(A (&o)[V], u64 w, int e0, int cols, A dflt) {
     const W* wp = reinterpret_cast<const W*>(w);
-    if (e0 >= 0 && e0 + V <= cols && ((w + e0 * sizeof(W)) % (sizeof(W) * V)) == 0) {
+    if ((FULL || (e0 >= 0 && e0 + V <= cols)) && ((w + e0 * sizeof(W)) % (sizeof(W) * V)) == 0) {
         const Vec<W, V> t = *reinterpret_cast<const Vec<W, V>*>(wp + e0);
         unpack<W, V, A>(t, o);  // bfloat16: the two-instructions-a-pair split
     } else {
 #pragma unroll
         for (int k = 0; k < V; ++k) {
             int e = e0 + k;
-            o[k] = (e >= 0 && e < cols) ? (A)to_acc(wp[e]) : dflt;
+            o[k] = (FULL || (e >= 0 && e < cols)) ? (A)to_acc(wp[e]) : dflt;
         }
     }
 }
 
-template <typename T, int V, typename A>
+template <typename T, int V, typename A, bool FULL = false>
 __device__ __forceinline__ void load_wslot(A (&o)[V], const RowArgs& p, u64 w, int e0, int cols,
                                            A dflt) {
     if (!w) {
 #pragma unroll
         for (int k = 0; k < V; ++k) o[k] = dflt;
     } else if (p.flags & 4) {
-        load_wslot_t<float, V>(o, w, e0, cols, dflt);
+        load_wslot_t<float, V, A, FULL>(o, w, e0, cols, dflt);
     } else {
-        load_wslot_t<T, V>(o, w, e0, cols, dflt);
+        load_wslot_t<T, V, A, FULL>(o, w, e0, cols, dflt);
     }
 }
 

@@ -25,7 +25,7 @@ namespace cl {
 
 // ---- register kernels ------------------------------------------------------------------
 template <typename T, int OP, int THREADS, int TPR, int NV, int C, bool PIPE = false,
-          bool SROW = false, bool WST = false, bool FEW = false>
+          bool SROW = false, bool WST = false, bool FEW = false, bool FULL = false>
 __device__ __forceinline__ void row_reg(const RowArgs& p) {
     typedef typename Acc<T>::type A;
     constexpr int V = 16 / sizeof(T);
@@ -34,10 +34,15 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
     constexpr bool TWO_IN = (OP == OP_ADD_RMS || OP >= OP_SOFTMAX_BWD);
     constexpr int NA = BWD_W ? NV * V : 1;
     constexpr int NB = (OP == OP_LN_BWD) ? NV * V : 1;
-    const int lane = threadIdx.x % TPR;
-    const int group = threadIdx.x / TPR;
+    // FULL (row_few_kernel's exact fit, _rowcore.few_full): the host guarantees rows of exactly
+    // THREADS * NV whole slots starting on 16-byte boundaries, one level of row addressing and
+    // one row a block. Length, heads and bounds are then constants: no per-slot tests.
+    static_assert(!FULL || (FEW && TPR == THREADS && C == 1), "exact fit: row_few_kernel only");
+    const int lane = FULL ? (int)threadIdx.x : (int)(threadIdx.x % TPR);
+    const int group = FULL ? 0 : (int)(threadIdx.x / TPR);
     const unsigned rank = C > 1 ? cluster_rank() : 0u;
-    const int cols = (int)p.cols;  // the host keeps register-kernel rows below 2^31
+    // the host keeps register-kernel rows below 2^31
+    const int cols = FULL ? THREADS * NV * V : (int)p.cols;
     const int sbase = (int)rank * TPR * NV + lane;
     const A n_inv = A(1) / (A)cols;
     A dwa[NA], dba[NB];
@@ -89,10 +94,10 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
     int it = 0;
     for (i64 unit = first; unit * RPB < p.rows; unit += nunits, ++it) {
         const i64 row = unit * RPB + group;
-        const bool active = row < p.rows;
+        const bool active = FULL || row < p.rows;  // FULL: one row a block, the loop's own
         const i64 rr = active ? row : 0;
-        const T* x = row_ptr<const T>(p.in0, p, 0, rr);
-        const int head = row_head(x);
+        const T* x = row_ptr<const T, FULL>(p.in0, p, 0, rr);
+        const int head = FULL ? 0 : row_head(x);
         const T* xal = x - head;
         // layer_norm's shift, the row's first element: loaded before the row's loads are
         // waited for, so that its round trip overlaps theirs instead of following them
@@ -137,15 +142,16 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int s = sbase + j * TPR;
-                load_slot<T, V>(a[j], xal, s, s * V - head, cols, active, fill_value<T, OP>());
+                load_slot<T, V, FULL>(a[j], xal, s, s * V - head, cols, active,
+                                      fill_value<T, OP>());
             }
         }
         if constexpr (TWO_IN && !PIPE) {
-            const T* bal = row_ptr<const T>(p.in1, p, 1, rr) - head;
+            const T* bal = row_ptr<const T, FULL>(p.in1, p, 1, rr) - head;
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int s = sbase + j * TPR;
-                load_slot<T, V>(b[j], bal, s, s * V - head, cols, active, T());
+                load_slot<T, V, FULL>(b[j], bal, s, s * V - head, cols, active, T());
             }
         }
         // FEW (the forward norms): the weight and bias of this thread's columns loaded here,
@@ -157,11 +163,12 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int e0 = (sbase + j * TPR) * V - head;
-                load_wslot<T, V>(wpre[j], p, p.w, e0, cols, A(1));
-                if constexpr (OP == OP_LN) load_wslot<T, V>(bpre[j], p, p.b, e0, cols, -A(0));
+                load_wslot<T, V, A, FULL>(wpre[j], p, p.w, e0, cols, A(1));
+                if constexpr (OP == OP_LN)
+                    load_wslot<T, V, A, FULL>(bpre[j], p, p.b, e0, cols, -A(0));
             }
         }
-        T* yal = row_ptr<T>(p.out0, p, 2, rr) - head;
+        T* yal = row_ptr<T, FULL>(p.out0, p, 2, rr) - head;
         const bool stat_thread = active && lane == 0 && rank == 0;
 #define CL_FOR_ELEMS                                                        \
     _Pragma("unroll") for (int j = 0; j < NV; ++j)                          \
@@ -393,7 +400,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
         } else if constexpr (OP == OP_RMS || OP == OP_ADD_RMS || OP == OP_LN) {
             if constexpr (OP == OP_ADD_RMS) {
-                T* hal = row_ptr<T>(p.out1, p, 3, rr) - head;
+                T* hal = row_ptr<T, FULL>(p.out1, p, 3, rr) - head;
 #pragma unroll
                 for (int j = 0; j < NV; ++j) {
                     A f[V], g[V];
@@ -403,7 +410,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     for (int k = 0; k < V; ++k) f[k] += g[k];
                     pack<T, V>(f, a[j]);
                     const int s = sbase + j * TPR;
-                    store_slot<T, V>(hal, a[j], s, s * V - head, cols, active);
+                    store_slot<T, V, FULL>(hal, a[j], s, s * V - head, cols, active);
                 }
             }
             A mean = A(0);
@@ -419,7 +426,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     A f[V];
                     unpack<T, V>(a[j], f);
                     const int e0 = (sbase + j * TPR) * V - head;
-                    if (e0 >= 0 && e0 + V <= cols) {
+                    if (FULL || (e0 >= 0 && e0 + V <= cols)) {
 #pragma unroll
                         for (int k = 0; k < V; ++k) s1 += f[k] - x0;
                     } else {
@@ -436,7 +443,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 A f[V];
                 unpack<T, V>(a[j], f);
                 const int e0 = (sbase + j * TPR) * V - head;
-                if (OP != OP_LN || (e0 >= 0 && e0 + V <= cols)) {
+                if (OP != OP_LN || FULL || (e0 >= 0 && e0 + V <= cols)) {
 #pragma unroll
                     for (int k = 0; k < V; ++k) {
                         A d = f[k] - mean;
@@ -502,7 +509,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     }
                 }
                 pack<T, V>(f, a[j]);
-                store_slot<T, V>(yal, a[j], sbase + j * TPR, e0, cols, active);
+                store_slot<T, V, FULL>(yal, a[j], sbase + j * TPR, e0, cols, active);
                 asm volatile("" ::: "memory");
             }
         } else if constexpr (OP == OP_SOFTMAX_BWD || OP == OP_LOG_SOFTMAX_BWD) {
@@ -572,7 +579,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int s = sb + j * TPR;
-                store_slot<T, V>(yal, a[j], s, s * V - hd, cols, active);
+                store_slot<T, V, FULL>(yal, a[j], s, s * V - hd, cols, active);
             }
         }
 #undef CL_FOR_ELEMS
@@ -635,11 +642,13 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) row_kernel(const RowA
 // One row a block at decoding shapes (the host launches it while the rows fit one block an SM,
 // _rowcore.few_class): the row loaded straight into registers (no pipeline: a block has no next
 // row to prefetch), the norms' weights loaded beside it, and one barrier a reduction.
-// Compiled for one resident block an SM.
-template <typename T, int OP, int THREADS, int NV>
+// Compiled for one resident block an SM. FULL: the exact-fit form (rows of THREADS * NV whole
+// 16-byte slots from 16-byte boundaries, one level of rows: _rowcore.few_full), with the row's
+// length, head and bounds known at compile time.
+template <typename T, int OP, int THREADS, int NV, bool FULL>
 __global__ void __launch_bounds__(THREADS, 1) row_few_kernel(const RowArgs p) {
     static_assert(OP <= OP_ADD_RMS, "the forward softmaxes and norms");
-    row_reg<T, OP, THREADS, THREADS, NV, 1, false, false, false, true>(p);
+    row_reg<T, OP, THREADS, THREADS, NV, 1, false, false, false, true, FULL>(p);
 }
 
 // Persistent variant (blocks loop over rows): the next PIPE_STAGES - 1 rows of each input are

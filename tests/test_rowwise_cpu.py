@@ -13,8 +13,8 @@ from conftest import FakeCAI, compile_every
 
 BF16, F16, F32, F64 = (_dtypes.from_name(n) for n in ("bfloat16", "float16", "float32", "float64"))
 #: the family's kernel instances: 744, and row_few_kernel's (3 classes of 5 ops on the two
-#: 16-bit dtypes and of 2 ops on float32)
-N_INSTANCES = 744 + 3 * (5 * 2 + 2)
+#: 16-bit dtypes and of 2 ops on float32, each in its general and its exact-fit form)
+N_INSTANCES = 744 + 3 * (5 * 2 + 2) * 2
 
 
 def test_public_names_exported():
@@ -207,10 +207,12 @@ def test_the_norms_stage_their_weights_at_decoding_shapes():
     # the staged variants are compiled beside the others, for the forward norms only
     for dt in (BF16, F16):
         names = rc.name_expressions("norm", dt)
-        staged = [n for n in names if n.endswith(", true>")]
-        assert staged and all(n.startswith("cl::row_pipe_kernel<") for n in staged)
-        assert len(staged) == len([n for n in names if n.startswith("cl::row_pipe_kernel<")]) / 2
-        assert not any(n.endswith(", true>") for n in rc.name_expressions("softmax", dt))
+        pipes = [n for n in names if n.startswith("cl::row_pipe_kernel<")]
+        staged = [n for n in pipes if n.endswith(", true>")]
+        assert staged
+        assert len(staged) == len(pipes) / 2
+        assert not any(n.startswith("cl::row_pipe_kernel<") and n.endswith(", true>")
+                       for n in rc.name_expressions("softmax", dt))
     with pytest.raises(ValueError, match="stages no weights"):
         rc.kernel_name(0, BF16, (128, 128, 4, 1), True, True)
 
@@ -260,17 +262,47 @@ def test_few_rows_take_the_decoding_shape_kernel(monkeypatch):
     for dt, per in ((BF16, (0, 1, 2, 3, 4)), (F16, (0, 1, 2, 3, 4)), (F32, (2, 3))):
         for group, ops in (("softmax", (0, 1)), ("norm", (2, 3, 4))):
             names = [n for n in rc.name_expressions(group, dt) if "row_few_kernel" in n]
-            assert len(names) == len(set(ops) & set(per)) * len(rc.FEW_LADDER)
+            assert len(names) == len(set(ops) & set(per)) * len(rc.FEW_LADDER) * 2
+            assert sum(n.endswith(", true>") for n in names) == len(names) / 2
     assert not any("row_few_kernel" in n for g in rc.GROUPS for n in rc.name_expressions(g, F64))
     assert not any("row_few_kernel" in n for n in rc.name_expressions("ce", BF16))
     assert rc.kernel_name(3, BF16, (256, 256, 2, 1), few=True) == \
-        "cl::row_few_kernel<cl::bf16_t, 3, 256, 2>"
+        "cl::row_few_kernel<cl::bf16_t, 3, 256, 2, false>"
+    assert rc.kernel_name(3, BF16, (256, 256, 2, 1), few=True, full=True) == \
+        "cl::row_few_kernel<cl::bf16_t, 3, 256, 2, true>"
     with pytest.raises(ValueError, match="no decoding-shape kernel"):
         rc.kernel_name(5, BF16, (256, 256, 2, 1), few=True)
     with pytest.raises(ValueError, match="no decoding-shape kernel"):
         rc.kernel_name(0, F32, (256, 256, 2, 1), few=True)
     with pytest.raises(ValueError, match="no decoding-shape kernel"):
         rc.kernel_name(2, BF16, (256, 256, 4, 1), few=True)
+
+
+def test_few_rows_that_fill_the_class_take_its_exact_fit_form():
+    """row_few_kernel's exact-fit form (no bounds tests): rows of exactly the class's
+    THREADS x NV slots from 16-byte boundaries, one level of row strides; anything else keeps
+    the general form (made from real layouts, as plan_rows sees them)."""
+    def lay(shape, dt, strides=None, ptr=0):
+        st = strides or tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        v = _V(0x1000 + ptr, shape, st, dt)
+        return rc.make_layout("layer_norm", shape, [v, None, v, None], -1)
+
+    for dt, cls, n in ((BF16, (256, 256, 2, 1), 4096), (F16, (128, 128, 2, 1), 2048),
+                       (BF16, (512, 512, 2, 1), 8192), (F32, (512, 512, 2, 1), 4096),
+                       (F32, (128, 128, 2, 1), 1024)):
+        isz = dt.itemsize
+        assert rc.few_full(dt, lay((16, n), dt), cls)
+        assert rc.few_full(dt, lay((1, n), dt), cls)
+        assert rc.few_full(dt, lay((n,), dt), cls)
+        assert rc.few_full(dt, lay((2, 3, n), dt), cls)  # merged into one level
+        # rows strided by a multiple of 16 bytes: still one level, head 0
+        assert rc.few_full(dt, lay((16, n), dt, strides=(n + 64, 1)), cls)
+        assert not rc.few_full(dt, lay((16, n - 1), dt), cls)  # not the whole class
+        assert not rc.few_full(dt, lay((16, n), dt, ptr=isz), cls)  # head 1
+        assert not rc.few_full(dt, lay((16, n), dt, strides=(n + 1, 1)), cls)  # heads differ
+        # two levels of rows (a slice of the middle axis)
+        two = lay((2, 3, n), dt, strides=(4 * n, n, 1))
+        assert two.n1 == 3 and not rc.few_full(dt, two, cls)
 
 
 def test_pipe_plan(monkeypatch):

@@ -642,6 +642,9 @@ def test_few_rows(cols, layout, dt):
             few = rows <= sms and 128 < rc.row_slots(cdt, cols, lay.head) <= 1024
             assert (rc.few_class(3, cdt, lay, sms) is not None) == few
             assert (rc.few_class(2, cdt, lay, sms, weighted=True) is not None) == few
+            if few:  # rows that fill their class exactly take the exact-fit form
+                cls = rc.few_class(3, cdt, lay, sms)
+                assert rc.few_full(cdt, lay, cls) == (cols in (2048, 4096))
         check(cupylab.softmax(x), R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")
         check(cupylab.log_softmax(x), R.ROWWISE_REFERENCES["log_softmax"](h), dt,
               what="log_softmax")
@@ -676,6 +679,72 @@ def test_few_rows(cols, layout, dt):
                 check(rstd, rref, sdt, 10, "ln rstd")
             rh, r = make(rng, "cupy", rows, cols, dt, layout)
             _check_add_rms_norm(x, r, w, _added(h, rh, dt), dt)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+def test_few_rows_exact_fit_edges(dt):
+    """row_few_kernel's exact-fit form (rows of exactly its class, no bounds tests) beyond
+    plain contiguous rows: rows 64 elements further apart than their 4,096 (inputs and
+    outputs: the gaps between output rows stay untouched), weights and biases one element
+    into their allocation (their loads fall back to one element at a time), a 3-d input whose
+    rows merge into one level; a 3-d slice with two levels of rows takes the general form;
+    add_rms_norm in place on strided rows leaves the residual's gaps untouched."""
+    from cupylab import _arrays, _runtime  # noqa: PLC0415
+    from cupylab.ops import _rowcore as rc  # noqa: PLC0415
+
+    sms = _runtime.device_info(0).sm_count
+    cols, pad, rows = 4096, 64, 16
+    cdt = rc.FLOATS[["float16", "bfloat16", "float32"].index(dt)]
+    npd = np_dtype(dt)
+    rng = np.random.default_rng(4096 + len(dt))
+
+    def strided(h, fill=0.0):
+        big = np.full((h.shape[0], cols + pad), fill, dtype=npd)
+        big[:, :cols] = h
+        d = cupy_from_host(big)
+        return d, d[:, :cols]
+
+    h = (rng.standard_normal((rows, cols)) * 4).astype(npd)
+    xb, x = strided(h)
+    lay = rc.make_layout("layer_norm", x.shape, [_arrays.as_view(x), None, None, None], -1)
+    cls = rc.few_class(3, cdt, lay, sms)
+    assert cls is not None and rc.few_full(cdt, lay, cls)
+    hw1 = (rng.standard_normal(cols + 1) + 1).astype(npd)
+    hb1 = rng.standard_normal(cols + 1).astype(npd)
+    w, b = cupy_from_host(hw1)[1:], cupy_from_host(hb1)[1:]
+    hw, hb = hw1[1:], hb1[1:]
+    for ww, bb in ((w, b), (None, None), (w, None)):
+        ob, o = strided(np.zeros((rows, cols), npd), fill=7.0)
+        ref = R.ROWWISE_REFERENCES["layer_norm"](h, None if ww is None else hw,
+                                                  None if bb is None else hb, 1e-5)[0]
+        check(cupylab.layer_norm(x, ww, bb, out=o), ref, dt, 2,
+              f"layer_norm strided, weight {ww is not None}, bias {bb is not None}")
+        assert (to_host(ob)[:, cols:] == 7.0).all(), "layer_norm wrote between output rows"
+    ob, o = strided(np.zeros((rows, cols), npd), fill=7.0)
+    check(cupylab.rms_norm(x, w, out=o), R.ROWWISE_REFERENCES["rms_norm"](h, hw, 1e-6)[0],
+          dt, 2, "rms_norm strided, weight one element in")
+    assert (to_host(ob)[:, cols:] == 7.0).all(), "rms_norm wrote between output rows"
+    if dt != "float32":
+        ob, o = strided(np.zeros((rows, cols), npd), fill=7.0)
+        check(cupylab.softmax(x, out=o), R.ROWWISE_REFERENCES["softmax"](h), dt, what="softmax")
+        assert (to_host(ob)[:, cols:] == 7.0).all(), "softmax wrote between output rows"
+        hr = rng.standard_normal((rows, cols)).astype(npd)
+        rb, r = strided(hr, fill=7.0)
+        y, hh = cupylab.add_rms_norm(x, r, w, eps=1e-6, inplace=True)
+        hsum = _added(h, hr, dt)
+        check(r, hsum, dt, 0.01, "add_rms_norm in place, strided h")
+        check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, hw, 1e-6)[0], dt, 2, "add_rms_norm y")
+        assert (to_host(rb)[:, cols:] == 7.0).all(), "add_rms_norm wrote between residual rows"
+    # 3-d: (2, 12, cols) contiguous merges into one level; a slice of the middle axis keeps two
+    h3 = (rng.standard_normal((2, 12, cols)) * 4).astype(npd)
+    d3 = cupy_from_host(h3)
+    for v, hv, one in ((d3, h3, True), (d3[:, :8], h3[:, :8], False)):
+        lay = rc.make_layout("layer_norm", v.shape, [_arrays.as_view(v), None, None, None], -1)
+        cls = rc.few_class(3, cdt, lay, sms)
+        assert cls is not None and rc.few_full(cdt, lay, cls) == one
+        ref = R.ROWWISE_REFERENCES["layer_norm"](hv.reshape(-1, cols), hw, hb, 1e-5)[0]
+        check(cupylab.layer_norm(v, w, b).reshape(-1, cols), ref, dt, 2,
+              f"layer_norm 3-d, one level of rows {one}")
 
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float16"])

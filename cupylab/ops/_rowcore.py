@@ -249,10 +249,22 @@ def few_class(op, dt, lay, sm_count, weighted=False):
     return None
 
 
-def kernel_name(op, dt, cls, pipe=False, wst=False, few=False):
+def few_full(dt, lay, cls):
+    """Whether the decoding-shape kernel of class ``cls`` (:func:`few_class`) takes its
+    exact-fit form for ``lay``: every row operand's rows start on a 16-byte boundary (head 0),
+    the rows index with one stride (``n1 >= rows``: no two-level addressing) and a row is
+    exactly the class's ``THREADS * NV`` 16-byte slots (16-bit: 2,048, 4,096 or 8,192
+    elements; float32 half that). The kernel then knows the row's length, head and bounds at
+    compile time and tests none of them (a weight's own alignment is still tested)."""
+    return (lay.head == 0 and lay.n1 >= lay.rows
+            and lay.cols == cls[0] * cls[2] * (16 // dt.itemsize))
+
+
+def kernel_name(op, dt, cls, pipe=False, wst=False, few=False, full=False):
     """The name expression of ``op``'s kernel for class ``cls`` (None: row_generic);
     ``pipe``: the pipelined kernel, ``wst``: its variant with staged weights (forward
-    norms), ``few``: the decoding-shape kernel (a :data:`FEW_LADDER` class)."""
+    norms), ``few``: the decoding-shape kernel (a :data:`FEW_LADDER` class), ``full``: its
+    exact-fit form (:func:`few_full`)."""
     if cls is None:
         return f"cl::row_generic<{dt.ctype}, {op}>"
     th, tpr, nv, c = cls
@@ -260,7 +272,7 @@ def kernel_name(op, dt, cls, pipe=False, wst=False, few=False):
         if not few_dtype(op, dt) or cls not in FEW_LADDER:
             raise ValueError(f"kernel_name: op {op} on {dt.name} has no decoding-shape kernel "
                              f"of class {cls} (see few_dtype, FEW_LADDER)")
-        return f"cl::row_few_kernel<{dt.ctype}, {op}, {th}, {nv}>"
+        return f"cl::row_few_kernel<{dt.ctype}, {op}, {th}, {nv}, {'true' if full else 'false'}>"
     if pipe:
         if not pipelined(op, dt, cls):
             raise ValueError(f"kernel_name: op {op} on {dt.name} has no pipelined kernel for "
@@ -286,7 +298,8 @@ def name_expressions(group, dt):
         names += [kernel_name(op, dt, cls, True, w) for cls in ladder(op, dt)
                   if pipelined(op, dt, cls) for w in (False, True)[:1 + (op in NORM_FWD_OPS)]]
         if few_dtype(op, dt):
-            names += [kernel_name(op, dt, cls, few=True) for cls in FEW_LADDER]
+            names += [kernel_name(op, dt, cls, few=True, full=f) for cls in FEW_LADDER
+                      for f in (False, True)]
     a = acc_dtype(dt)
     if group == "ce":
         names += [f"cl::ce_aux<{a.ctype}>", f"cl::ce_backward<{dt.ctype}>"]
@@ -569,8 +582,8 @@ def plan_rows(op, dt, lay, device, wbytes=0):
     info = _runtime.device_info(device)
     few = few_class(op, dt, lay, info.sm_count, bool(wbytes))
     if few is not None:
-        return (kernel(group_of(op), dt, kernel_name(op, dt, few, few=True)), max(1, lay.rows),
-                few[0], 0, 0)
+        name = kernel_name(op, dt, few, few=True, full=few_full(dt, lay, few))
+        return kernel(group_of(op), dt, name), max(1, lay.rows), few[0], 0, 0
     cls = choose(op, dt, lay.cols, lay.vec_ok, lay.head, info.cc)
     block = GENERIC_THREADS if cls is None else cls[0]
     pp = pipe_plan(op, dt, cls, lay.rows, info.sm_count, info.max_smem_optin, info.cc)
