@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupylab
-from cupylab import _launch
+from cupylab import _arrays, _launch
 from cupylab.ops import _rowcore, _rowfast
 
 from gpu_util import FLOATS, from_host, host_data, to_host
@@ -181,7 +181,7 @@ def test_lean_launches_what_the_general_path_launches(fw, monkeypatch):
         f(stream=_stream(fw))
         gen = list(seen)
         assert len(lean) == len(gen) >= 1
-        inputs = {_rowcore._arrays.as_view(a).ptr for a in (x, dy, w, rstd)}
+        inputs = {_arrays.as_view(a).ptr for a in (x, dy, w, rstd)}
         for a, b in zip(lean, gen):
             assert a[:4] == b[:4]
             mask = [v if (v in inputs or not isinstance(v, int) or v < 1 << 20) else "new"
