@@ -75,7 +75,7 @@ FILES = {  # stored file -> what it holds
     "rowwise_ce_bwd.json": "cross-entropy's forward (loss and log-sum-exp) and its one-pass "
                            "backward beside torch eager and torch.compile (H100, fcf81fa)",
     "rowwise_small_h100.json": "decoding shapes again on an H100, with the weighted norms, "
-                               "2026-12-07 (5ec18a4: row_few_kernel)",
+                               "2026-12-07 (0051128: row_few_kernel's exact-fit form)",
     "groups_after.json": "row-wise ops at the row lengths the two-rows-a-block classes serve",
     "groups_before.json": "the same cases in the same session, before those classes (1913d9a)",
     "bwd16_after.json": "row-wise backwards with the 16-bit pipeline and one-vector classes",
@@ -158,6 +158,9 @@ FILES = {  # stored file -> what it holds
                          "round (H100)",
     "onerow_before.json": "the same cases in the same round, the same install with "
                           "CUPYLAB_ROWWISE_FEW=0",
+    "fewfull_after.json": "row_few_kernel's exact-fit form (branch commit 0051128), 3rd "
+                          "round (H100)",
+    "fewfull_before.json": "the same cases in the same round, before it (main 557597a)",
 }
 
 
