@@ -220,8 +220,9 @@ def test_the_norms_stage_their_weights_at_decoding_shapes():
 def test_few_rows_take_the_decoding_shape_kernel(monkeypatch):
     from types import SimpleNamespace
 
-    def lay(rows, cols, head=0, vec_ok=True):
-        return SimpleNamespace(rows=rows, cols=cols, head=head, vec_ok=vec_ok)
+    def lay(rows, cols, head=0, vec_ok=True, n1=None):
+        return SimpleNamespace(rows=rows, cols=cols, head=head, vec_ok=vec_ok,
+                               n1=rows if n1 is None else n1)
 
     monkeypatch.delenv("CUPYLAB_ROWWISE_FEW", raising=False)
     for dt in (BF16, F16):
@@ -241,9 +242,15 @@ def test_few_rows_take_the_decoding_shape_kernel(monkeypatch):
         assert rc.few_class(2, dt, lay(132, 8192), 132, weighted=True) == (512, 512, 2, 1)
         for op in (0, 1, 2, 4):
             assert rc.few_class(op, dt, lay(66, 4096), 132) == (256, 256, 2, 1)
-            assert rc.few_class(op, dt, lay(67, 4096), 132) is None
+            assert rc.few_class(op, dt, lay(67, 4095), 132) is None
+            assert rc.few_class(op, dt, lay(67, 4096, head=1), 132) is None
+            assert rc.few_class(op, dt, lay(67, 4096, n1=33), 132) is None  # two levels
             assert rc.few_class(op, dt, lay(16, 4097), 132) is None  # a 512-thread class
-        assert rc.few_class(4, dt, lay(67, 4096), 132, weighted=True) is None
+            # rows that fill their class exactly (the exact-fit form): up to as many as SMs
+            assert rc.few_class(op, dt, lay(67, 4096), 132) == (256, 256, 2, 1)
+            assert rc.few_class(op, dt, lay(132, 8192), 132) == (512, 512, 2, 1)
+            assert rc.few_class(op, dt, lay(133, 2048), 132) is None
+        assert rc.few_class(4, dt, lay(67, 4095), 132, weighted=True) is None
     # float32: layer_norm and rms_norm with a weight only
     assert rc.few_class(3, F32, lay(1, 513), 132) == (128, 128, 2, 1)
     assert rc.few_class(3, F32, lay(132, 4096), 132) == (512, 512, 2, 1)
@@ -251,7 +258,9 @@ def test_few_rows_take_the_decoding_shape_kernel(monkeypatch):
     assert rc.few_class(2, F32, lay(16, 4096), 132, weighted=True) == (512, 512, 2, 1)
     for op in (0, 1, 4):
         assert rc.few_class(op, F32, lay(16, 2048), 132, weighted=True) is None
-    assert rc.few_class(2, F32, lay(16, 2048), 132) is None
+    assert rc.few_class(2, F32, lay(16, 2047), 132) is None
+    assert rc.few_class(2, F32, lay(132, 2048), 132) == (256, 256, 2, 1)  # exact fit
+    assert rc.few_class(0, F32, lay(16, 2048), 132) is None  # no float32 softmax instances
     assert rc.few_class(5, BF16, lay(16, 4096), 132) is None  # cross-entropy
     assert rc.few_class(10, BF16, lay(16, 4096), 132) is None  # a backward
     assert rc.few_class(3, F64, lay(16, 4096), 132) is None
