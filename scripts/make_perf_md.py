@@ -161,6 +161,11 @@ FILES = {  # stored file -> what it holds
     "fewfull_after.json": "row_few_kernel's exact-fit form (branch commit 0051128), 3rd "
                           "round (H100)",
     "fewfull_before.json": "the same cases in the same round, before it (main 557597a)",
+    "fewrelax_after.json": "row_few_kernel's exact-fit form for every op that has it up to as "
+                           "many rows as SMs (tree 4d8868b: that selection, committed as "
+                           "262c519, and the aligned-weight condition not kept), one round "
+                           "(H100)",
+    "fewrelax_before.json": "the same cases in the same round, before it (main 6cac2d4)",
 }
 
 

@@ -172,8 +172,9 @@ def _check_add_rms_norm(x, r, w, hsum, dt):
 @pytest.mark.parametrize("dt", ["bfloat16", "float16"])
 @pytest.mark.parametrize("cols,rpb", [(4096, 1), (33, 4)])  # rows a block of the class chosen
 def test_add_rms_norm_one_row_an_sm_boundary(dt, cols, rpb):
-    """16-bit add_rms_norm takes the pipelined kernel while each SM gets at most one block's
-    rows, the plain kernel beyond: both sides of the boundary give the reference."""
+    """16-bit add_rms_norm takes the pipelined kernel (rows of 4,096: row_few_kernel's
+    exact-fit form) while each SM gets at most one block's rows, the plain kernel beyond: both
+    sides of the boundary give the reference."""
     from cupylab import _runtime  # noqa: PLC0415
 
     sms = _runtime.device_info(0).sm_count
@@ -623,7 +624,8 @@ def test_few_rows(cols, layout, dt):
     """Decoding shapes: while each row gets a block and each SM one block at most, rows of 129
     to 1,024 16-byte slots take row_few_kernel (one row a block, weights loaded beside the
     row, one barrier a reduction): layer_norm and rms_norm with a weight at 1 row and at as
-    many rows as SMs, the other ops on 16-bit rows at 1 row only (_rowcore.few_class); one
+    many rows as SMs, the other ops on 16-bit rows at 1 row, and at as many rows as SMs where
+    a row fills its class exactly (2,048 and 4,096 elements; _rowcore.few_class); one
     row more than SMs takes the other kernels. Every forward softmax and norm, with weights
     (float32 weights for 16-bit rows too), the norms' statistics and add_rms_norm in place;
     offset views start each row one element in."""
