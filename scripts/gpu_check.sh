@@ -91,9 +91,9 @@ if has sanitizer && command -v "$SAN" >/dev/null 2>&1; then
   san conf_mem memcheck "(layouts and (float32-float16 or int64-int32 or complex64-float32)) or edge_values or all_scalar" \
     test_gpu_conformance.py
   san row_mem memcheck '(softmax_forward and bfloat16 and (199-33 or 199-1000 or 99-2000 or 2-262144 or 5-65537 or 199-3)) or (norms_forward and float32 and same and (199-31 or 199-1000 or 60-4097 or 5-65537 or 1-300000)) or (norms_forward and bfloat16 and same and (5-65537 or 1-300000)) or (backward_analytic and bfloat16 and (199-33 or 4500-1000 or 30-4097 or 33-4100 or 1-4096 or 5-9000 or 2-70001)) or (cross_entropy and bfloat16 and 0.0 and (199-3 or 2-128256 or 1-300000)) or (softmax_forward and float32 and (5-65537 or 7-40000)) or (cross_entropy and float32 and 0.0 and (3-65537 or 2-128256)) or other_axis or bad_targets or (weight_alignment and bfloat16 and (3000-1000 or 700-4096)) or (one_row_an_sm and bfloat16) or (staged_weights and (5-1001-1-float32 or 16-4096-0-same or 128-33-8 or 3-8192-1-same)) or (few_rows and (4096-contig-bfloat16 or 1025-offset-float32)) or exact_fit' \
-    test_rowwise_gpu.py
+    test_rowwise_gpu.py test_rowfew_gpu.py
   san row_race racecheck '(softmax_forward and bfloat16 and (199-33 or 199-1000 or 2-262144 or 60-4097)) or (norms_forward and (float32 or bfloat16) and same and (60-4097 or 5-65537)) or (backward_analytic and (float32 or bfloat16) and (1-1000 or 77-500 or 30-4097 or 5-9000)) or (cross_entropy and bfloat16 and 0.1 and 2-128256) or (softmax_forward and softmax- and float32 and 5-65537) or (cross_entropy and float32 and 0.0 and 2-128256) or (weight_alignment and 3000-1000-0-contig-bfloat16) or (one_row_an_sm and bfloat16 and 33-4) or (staged_weights and bfloat16 and (5-1001-1-float32 or 16-4096-0-same or 128-33-8-same)) or (few_rows and (4096-contig-bfloat16 or 2048-offset-float16)) or (exact_fit and bfloat16)' \
-    test_rowwise_gpu.py
+    test_rowwise_gpu.py test_rowfew_gpu.py
   san ceb_mem memcheck '(reductions and (bfloat16 or float64) and (199-33 or 9-4097 or 2-128256 or 1-300000 or 1-1)) or alignment or broadcast or ignored' \
     test_cross_entropy_backward_gpu.py
   san ceb_race racecheck 'reductions and bfloat16 and (contig or offset) and (9-4097 or 2-128256)' \

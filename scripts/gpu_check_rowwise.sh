@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the row-wise family (issue 15) in one command:
 #   compile   every rowwise program for this GPU, in parallel (fills the kernel cache),
-#   tests     tests/test_rowwise_gpu.py and tests/test_rowwise_cpu.py,
+#   tests     tests/test_rowwise_gpu.py, test_rowfew_gpu.py and their CPU files,
 #   nopipe    the forward GPU tests again with CUPYLAB_ROWWISE_PIPELINE=0 (the register
 #             kernels without the cp.async pipeline),
 #   memcheck  compute-sanitizer memcheck on a CuPy-only subset (sub-warp, block, cluster,
@@ -38,7 +38,8 @@ fi
 
 if has tests; then
   timeout ${TESTS_TIMEOUT:-150} $PY -m pytest -q -p no:cacheprovider -rs --tb=short \
-    tests/test_rowwise_gpu.py tests/test_rowwise_cpu.py -k "not every" "${PARGS[@]}" \
+    tests/test_rowwise_gpu.py tests/test_rowfew_gpu.py tests/test_rowwise_cpu.py \
+    tests/test_rowfew_cpu.py -k "not every" "${PARGS[@]}" \
     > "$OUT/pytest.log" 2>&1
   summary+=("pytest rowwise (rc=$?): $(tail -n 1 "$OUT/pytest.log")")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 30
