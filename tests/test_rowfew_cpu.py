@@ -1,6 +1,5 @@
 """Row-wise kernel choice at decoding shapes without a GPU: which calls take row_few_kernel
 (_rowcore.few_class), its exact-fit form (few_full) and their name expressions."""
-import numpy as np
 import pytest
 
 from cupylab import _dtypes
@@ -86,8 +85,7 @@ def test_few_rows_that_fill_the_class_take_its_exact_fit_form():
     THREADS x NV slots from 16-byte boundaries, one level of row strides; anything else keeps
     the general form (made from real layouts, as plan_rows sees them)."""
     def lay(shape, dt, strides=None, ptr=0):
-        st = strides or tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-        v = _V(0x1000 + ptr, shape, st, dt)
+        v = _V(0x1000 + ptr, shape, strides or rc.c_strides(shape), dt)
         return rc.make_layout("layer_norm", shape, [v, None, v, None], -1)
 
     for dt, cls, n in ((BF16, (256, 256, 2, 1), 4096), (F16, (128, 128, 2, 1), 2048),

@@ -103,7 +103,7 @@ def test_few_rows_exact_fit_edges(dt):
         return d, d[:, :cols]
 
     h = (rng.standard_normal((rows, cols)) * 4).astype(npd)
-    xb, x = strided(h)
+    _, x = strided(h)
     lay = rc.make_layout("layer_norm", x.shape, [_arrays.as_view(x), None, None, None], -1)
     cls = rc.few_class(3, cdt, lay, sms)
     assert cls is not None and rc.few_full(cdt, lay, cls)

@@ -252,7 +252,7 @@ def few_class(op, dt, lay, sm_count, weighted=False):
         return cls
     if dt.itemsize == 2 and 2 * lay.rows <= sm_count and cls[0] <= 256:
         return cls
-    if (dt.itemsize == 2 or op == 2) and few_full(dt, lay, cls):
+    if few_full(dt, lay, cls):  # (float32 here: rms_norm without a weight, see few_dtype)
         return cls  # the exact-fit form: every op that has it, at every row count up to the SMs
     return None
 
