@@ -205,33 +205,81 @@ __device__ __forceinline__ void store_slot(T* al, const Vec<T, V>& v, int s, int
 }
 
 // V weights for columns e0 .. e0+V-1 (dflt where there is no weight or outside the row).
-// FULL: the columns are inside the row (row_few_kernel's exact fit); the weight's own alignment
-// is still tested (a weight may start anywhere).
-template <typename W, int V, typename A, bool FULL = false>
+template <typename W, int V, typename A>
 __device__ __forceinline__ void load_wslot_t(A (&o)[V], u64 w, int e0, int cols, A dflt) {
     const W* wp = reinterpret_cast<const W*>(w);
-    if ((FULL || (e0 >= 0 && e0 + V <= cols)) && ((w + e0 * sizeof(W)) % (sizeof(W) * V)) == 0) {
+    if (e0 >= 0 && e0 + V <= cols && ((w + e0 * sizeof(W)) % (sizeof(W) * V)) == 0) {
         const Vec<W, V> t = *reinterpret_cast<const Vec<W, V>*>(wp + e0);
         unpack<W, V, A>(t, o);  // bfloat16: the two-instructions-a-pair split
     } else {
 #pragma unroll
         for (int k = 0; k < V; ++k) {
             int e = e0 + k;
-            o[k] = (FULL || (e >= 0 && e < cols)) ? (A)to_acc(wp[e]) : dflt;
+            o[k] = (e >= 0 && e < cols) ? (A)to_acc(wp[e]) : dflt;
         }
     }
 }
 
-template <typename T, int V, typename A, bool FULL = false>
+template <typename T, int V, typename A>
 __device__ __forceinline__ void load_wslot(A (&o)[V], const RowArgs& p, u64 w, int e0, int cols,
                                            A dflt) {
     if (!w) {
 #pragma unroll
         for (int k = 0; k < V; ++k) o[k] = dflt;
     } else if (p.flags & 4) {
-        load_wslot_t<float, V, A, FULL>(o, w, e0, cols, dflt);
+        load_wslot_t<float, V, A>(o, w, e0, cols, dflt);
     } else {
-        load_wslot_t<T, V, A, FULL>(o, w, e0, cols, dflt);
+        load_wslot_t<T, V, A>(o, w, e0, cols, dflt);
+    }
+}
+
+// Weights read ahead (row_few_kernel): a slot's V weights as loaded, T or float32 (flags & 4),
+// converted only where used (wslot_values), so that every slot's weight and bias loads are in
+// flight together. Converting each slot as it arrived made every load wait for the one before
+// (the conversion sits in the load's branch), one L2 round trip after another.
+template <typename T, int V>
+union WRaw {
+    Vec<T, V> t;
+    Vec<float, V> f;
+};
+
+// FULL: the columns are inside the row (row_few_kernel's exact fit); the weight's own alignment
+// is still tested (a weight may start anywhere). Columns outside the row read as 0 (their
+// results are never stored).
+template <typename W, int V, bool FULL>
+__device__ __forceinline__ void wslot_read_t(Vec<W, V>& r, u64 w, int e0, int cols) {
+    const W* wp = reinterpret_cast<const W*>(w);
+    if ((FULL || (e0 >= 0 && e0 + V <= cols)) && ((w + e0 * sizeof(W)) % (sizeof(W) * V)) == 0) {
+        r = *reinterpret_cast<const Vec<W, V>*>(wp + e0);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const int e = e0 + k;
+            r.v[k] = (FULL || (e >= 0 && e < cols)) ? wp[e] : W();
+        }
+    }
+}
+
+template <typename T, int V, bool FULL>
+__device__ __forceinline__ void wslot_read(WRaw<T, V>& r, const RowArgs& p, u64 w, int e0,
+                                           int cols) {
+    if (!w) return;  // wslot_values gives the default
+    if (p.flags & 4) wslot_read_t<float, V, FULL>(r.f, w, e0, cols);
+    else wslot_read_t<T, V, FULL>(r.t, w, e0, cols);
+}
+
+// A slot read by wslot_read as V accumulator values (dflt for every column without a weight).
+template <typename T, int V, typename A>
+__device__ __forceinline__ void wslot_values(A (&o)[V], const WRaw<T, V>& r, const RowArgs& p,
+                                             u64 w, A dflt) {
+    if (!w) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) o[k] = dflt;
+    } else if (p.flags & 4) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) o[k] = (A)r.f.v[k];
+    } else {
+        unpack<T, V, A>(r.t, o);
     }
 }
 

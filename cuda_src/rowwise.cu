@@ -156,17 +156,16 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
             }
         }
         // FEW (the forward norms): the weight and bias of this thread's columns loaded here,
-        // beside the row's loads, instead of after the reduction (held in registers: the
-        // kernel is compiled for one block an SM)
+        // beside the row's loads, instead of after the reduction (held in registers as read,
+        // converted where used: the kernel is compiled for one block an SM)
         constexpr bool WPRE = FEW && (OP == OP_RMS || OP == OP_ADD_RMS || OP == OP_LN);
-        A wpre[WPRE ? NV : 1][WPRE ? V : 1], bpre[WPRE && OP == OP_LN ? NV : 1][WPRE ? V : 1];
+        WRaw<T, V> wpre[WPRE ? NV : 1], bpre[WPRE && OP == OP_LN ? NV : 1];
         if constexpr (WPRE) {
 #pragma unroll
             for (int j = 0; j < NV; ++j) {
                 const int e0 = (sbase + j * TPR) * V - head;
-                load_wslot<T, V, A, FULL>(wpre[j], p, p.w, e0, cols, A(1));
-                if constexpr (OP == OP_LN)
-                    load_wslot<T, V, A, FULL>(bpre[j], p, p.b, e0, cols, -A(0));
+                wslot_read<T, V, FULL>(wpre[j], p, p.w, e0, cols);
+                if constexpr (OP == OP_LN) wslot_read<T, V, FULL>(bpre[j], p, p.b, e0, cols);
             }
         }
         T* yal = row_ptr<T, FULL>(p.out0, p, 2, rr) - head;
@@ -487,8 +486,8 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                 if constexpr (OP == OP_LN) {  // the rms norms have no bias
                     A bv[V];  // no bias: -0, which adds nothing (a -0 result stays -0, as torch)
                     if constexpr (WPRE) {
-#pragma unroll
-                        for (int k = 0; k < V; ++k) wv[k] = wpre[j][k], bv[k] = bpre[j][k];
+                        wslot_values<T, V>(wv, wpre[j], p, p.w, A(1));
+                        wslot_values<T, V>(bv, bpre[j], p, p.b, -A(0));
                     } else {
                         load_wslot<T, V>(wv, p, WST ? wsrc : p.w, e0, cols, A(1));
                         load_wslot<T, V>(bv, p, WST ? bsrc : p.b, e0, cols, -A(0));
@@ -500,8 +499,7 @@ __device__ __forceinline__ void row_reg(const RowArgs& p) {
                     for (int k = 0; k < V; ++k) f[k] *= rstd;
                     if (p.w) {  // no neutral fill and multiply by 1 without a weight
                         if constexpr (WPRE) {
-#pragma unroll
-                            for (int k = 0; k < V; ++k) wv[k] = wpre[j][k];
+                            wslot_values<T, V>(wv, wpre[j], p, p.w, A(1));
                         } else {
                             load_wslot<T, V>(wv, p, WST ? wsrc : p.w, e0, cols, A(1));
                         }
