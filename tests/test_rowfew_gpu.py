@@ -84,9 +84,10 @@ def test_few_rows_exact_fit_edges(dt):
     """row_few_kernel's exact-fit form (rows of exactly its class, no bounds tests) beyond
     plain contiguous rows: rows 64 elements further apart than their 4,096 (inputs and
     outputs: the gaps between output rows stay untouched), weights and biases one element
-    into their allocation (their loads fall back to one element at a time), a 3-d input whose
-    rows merge into one level; a 3-d slice with two levels of rows takes the general form;
-    add_rms_norm in place on strided rows leaves the residual's gaps untouched."""
+    into their allocation (their loads fall back to one element at a time; float32 ones under
+    16-bit rows four and one element in), a 3-d input whose rows merge into one level; a 3-d
+    slice with two levels of rows takes the general form; add_rms_norm in place on strided
+    rows leaves the residual's gaps untouched."""
     from cupylab import _arrays, _runtime  # noqa: PLC0415
     from cupylab.ops import _rowcore as rc  # noqa: PLC0415
 
@@ -133,6 +134,18 @@ def test_few_rows_exact_fit_edges(dt):
         check(r, hsum, dt, 0.01, "add_rms_norm in place, strided h")
         check(y, R.ROWWISE_REFERENCES["rms_norm"](hsum, hw, 1e-6)[0], dt, 2, "add_rms_norm y")
         assert (to_host(rb)[:, cols:] == 7.0).all(), "add_rms_norm wrote between residual rows"
+        # float32 weight and bias under 16-bit rows, 16-byte aligned but not on their 32-byte
+        # words (four elements in) and one element in: both take the element-by-element loads
+        for skip in (4, 1):
+            hwf = (rng.standard_normal(cols + skip) + 1).astype(np.float32)
+            hbf = rng.standard_normal(cols + skip).astype(np.float32)
+            wf, bf = cupy_from_host(hwf)[skip:], cupy_from_host(hbf)[skip:]
+            check(cupylab.layer_norm(x, wf, bf),
+                  R.ROWWISE_REFERENCES["layer_norm"](h, hwf[skip:], hbf[skip:], 1e-5)[0], dt, 2,
+                  f"layer_norm, float32 weight and bias {skip} elements in")
+            check(cupylab.rms_norm(x, wf),
+                  R.ROWWISE_REFERENCES["rms_norm"](h, hwf[skip:], 1e-6)[0], dt, 2,
+                  f"rms_norm, float32 weight {skip} elements in")
     # 3-d: (2, 12, cols) contiguous merges into one level; a slice of the middle axis keeps two
     h3 = (rng.standard_normal((2, 12, cols)) * 4).astype(npd)
     d3 = cupy_from_host(h3)
