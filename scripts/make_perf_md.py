@@ -166,6 +166,9 @@ FILES = {  # stored file -> what it holds
                            "262c519, and the aligned-weight condition not kept), one round "
                            "(H100)",
     "fewrelax_before.json": "the same cases in the same round, before it (main 6cac2d4)",
+    "wread_after.json": "row_few_kernel's weights read ahead as loaded and converted where "
+                        "used (branch commit f39acfe), one round (H100)",
+    "wread_before.json": "the same cases in the same round, before it (main a1fef71)",
 }
 
 
