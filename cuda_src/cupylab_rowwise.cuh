@@ -227,9 +227,9 @@ __device__ __forceinline__ void load_wslot(A (&o)[V], const RowArgs& p, u64 w, i
 #pragma unroll
         for (int k = 0; k < V; ++k) o[k] = dflt;
     } else if (p.flags & 4) {
-        load_wslot_t<float, V, A>(o, w, e0, cols, dflt);
+        load_wslot_t<float, V>(o, w, e0, cols, dflt);
     } else {
-        load_wslot_t<T, V, A>(o, w, e0, cols, dflt);
+        load_wslot_t<T, V>(o, w, e0, cols, dflt);
     }
 }
 
